@@ -1,0 +1,1 @@
+"""Triton kernels and their host wrappers, one module per stage."""

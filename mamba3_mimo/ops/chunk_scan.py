@@ -1,0 +1,236 @@
+"""Stage 2 of the production path: the fused chunk scan.
+
+One program owns one (b, h), one segment of consecutive chunks and one tile of
+P columns.  It starts from the state entering its segment (folded from the
+stage-1 segment end states), then walks its chunks in order.  Per chunk it
+rotates q and k, writes ``qk_dot`` (from the diagonal blocks of the folded score
+matrix), writes the entering state, recomputes ``raw_y`` and turns it into the
+Phi/Zeta/z gradients, and advances the state.  Every output is written once and
+the state never leaves registers, so HBM traffic stays at the floor of the
+problem plus the small segment fold.
+
+The recurrence and every output but ``qk_dot`` are separable along P; the P
+tiles of one (b, h) recompute the same score matrix, which the dispatcher
+trades against parallelism.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_state import chunk_meta
+from .triton_utils import (
+    chunk_rows,
+    intra_chunk_weights,
+    load_chunk_cos_sin,
+    load_rank_rows,
+    load_rotated_rows,
+    load_token_discretization,
+    load_token_rows,
+    gate_grads,
+    state_increment,
+    store_token_tile,
+    sum_over_ranks,
+    sum_over_tokens,
+)
+
+
+@triton.jit
+def _fold_segment(state_lo, state_hi, i, seg, seg_state_ptr, da_cs_seq_ptr, bh, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+                  st_offs, st_mask, C: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
+                  BLOCK_SEG_CHUNKS: tl.constexpr):
+    """One step of s_{i+1} = exp(segment i's log decay) s_i + end_i, a no-op unless i < seg."""
+    HALF: tl.constexpr = N // 2
+    earlier_seg = i < seg
+    seg_chunks = tl.arange(0, BLOCK_SEG_CHUNKS)
+    chunk_ids = i * CHUNKS_PER_SEG + seg_chunks
+    in_seg = (seg_chunks < CHUNKS_PER_SEG) & (chunk_ids < NCH) & earlier_seg
+    chunk_ends = tl.minimum(chunk_ids * C + C - 1, S - 1)
+    seg_log_decay = tl.sum(tl.load(da_cs_seq_ptr + chunk_ends, mask=in_seg, other=0.0), axis=0)
+    decay = tl.where(earlier_seg, tl.exp(seg_log_decay), 1.0)
+    end_state = seg_state_ptr + (bh * N_SEGMENTS + i) * N * P
+    end_mask = st_mask & earlier_seg
+    state_lo = state_lo * decay + tl.load(end_state + st_offs, mask=end_mask, other=0.0)
+    state_hi = state_hi * decay + tl.load(end_state + HALF * P + st_offs, mask=end_mask, other=0.0)
+    return state_lo, state_hi
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, z_ptr, angles_ptr,
+    q_bias_ptr, k_bias_ptr, psi_ptr, phi_ptr, zeta_ptr, d_ptr,
+    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr,
+    seg_state_ptr,
+    states_ptr, qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_SEG_CHUNKS: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    seg = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    g = h // HEADS_PER_GROUP
+    HALF: tl.constexpr = N // 2
+    BLOCK_ROWS: tl.constexpr = BLOCK_T * BLOCK_R
+
+    row_t, row_r, row_valid = chunk_rows(BLOCK_T, BLOCK_R, C, R)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    half_mask = offs_half < HALF
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < P
+    tok = tl.arange(0, BLOCK_T)
+
+    # Per-head parameters, laid out per row once for the whole scan.
+    qb_lo = load_rank_rows(q_bias_ptr + h * R * N, row_r, row_valid, offs_half, half_mask, N)
+    qb_hi = load_rank_rows(q_bias_ptr + h * R * N + HALF, row_r, row_valid, offs_half, half_mask, N)
+    kb_lo = load_rank_rows(k_bias_ptr + h * R * N, row_r, row_valid, offs_half, half_mask, N)
+    kb_hi = load_rank_rows(k_bias_ptr + h * R * N + HALF, row_r, row_valid, offs_half, half_mask, N)
+    psi = load_rank_rows(psi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    phi = load_rank_rows(phi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    if HAS_Z:
+        zeta = load_rank_rows(zeta_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    if HAS_D:
+        d_skip = tl.load(d_ptr + h).to(tl.float32)
+
+    disc_base = bh * S
+    qk_token_stride = R * G * N
+    q_seq = q_ptr + b * S * qk_token_stride + g * N
+    k_seq = k_ptr + b * S * qk_token_stride + g * N
+    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    angles_seq = angles_ptr + (b * S * H + h) * RD
+    states_seq = states_ptr + bh * NCH * N * P
+    qk_dot_seq = qk_dot_ptr + bh * S * R * R
+
+    st_offs = offs_half[:, None] * P + offs_p[None, :]
+    st_mask = half_mask[:, None] & p_mask[None, :]
+    # State entering this segment, folded from the earlier segments' end states.  Every program
+    # runs the same trip count (segments at or after ``seg`` are masked out).
+    state_lo = tl.zeros((BLOCK_HALF, BLOCK_P), dtype=tl.float32)
+    state_hi = tl.zeros((BLOCK_HALF, BLOCK_P), dtype=tl.float32)
+    for i in range(0, N_SEGMENTS - 1):
+        state_lo, state_hi = _fold_segment(state_lo, state_hi, i, seg, seg_state_ptr, da_cs_ptr + disc_base, bh,
+                                           S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, st_offs, st_mask, C, N, P,
+                                           BLOCK_SEG_CHUNKS)
+
+    dphi_acc = tl.zeros((BLOCK_ROWS, BLOCK_P), dtype=tl.float32)
+    dzeta_acc = tl.zeros((BLOCK_ROWS, BLOCK_P), dtype=tl.float32)
+    same_token = row_t[:, None] == row_t[None, :]
+
+    # A constant trip count: chunks past NCH (only in the last segment) are virtual padding,
+    # fully masked, and leave every output untouched.
+    for i in range(0, CHUNKS_PER_SEG):
+        c = seg * CHUNKS_PER_SEG + i
+        t0 = c * C
+        t0_64 = t0.to(tl.int64)
+        t_abs = t0 + row_t
+        row_mask = row_valid & (t_abs < S)
+
+        # q~, k~ of the chunk (shared angles: same token, same head).
+        cos, sin = load_chunk_cos_sin(angles_seq + t0_64 * H * RD, t0, S, H * RD, offs_half,
+                                      BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
+        q_lo, q_hi = load_rotated_rows(q_seq + t0_64 * qk_token_stride, row_t, row_r, row_mask,
+                                       qk_token_stride, G * N, offs_half, half_mask, qb_lo, qb_hi,
+                                       cos, sin, HALF)
+        k_lo, k_hi = load_rotated_rows(k_seq + t0_64 * qk_token_stride, row_t, row_r, row_mask,
+                                       qk_token_stride, G * N, offs_half, half_mask, kb_lo, kb_hi,
+                                       cos, sin, HALF)
+        q_lo_d = q_lo.to(DOT_DTYPE)
+        q_hi_d = q_hi.to(DOT_DTYPE)
+        scores = tl.dot(q_lo_d, tl.trans(k_lo.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_hi_d, tl.trans(k_hi.to(DOT_DTYPE)), scores, input_precision=DOT_PRECISION)
+
+        if pid_p == 0:
+            # Same-token blocks of the score matrix are qk_dot (rotation preserves the dot).
+            qk_offs = (t_abs * R + row_r)[:, None] * R + row_r[None, :]
+            qk_mask = same_token & row_mask[:, None] & row_valid[None, :]
+            tl.store(qk_dot_seq + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+
+        da_cs, da_rev, gamma, trap_scale = load_token_discretization(
+            da_cs_ptr + disc_base, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_abs, S)
+        weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_cs, da_cs, gamma, trap_scale)
+
+        v_rows = load_token_rows(v_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        psiv = v_rows * psi
+        psiv_d = psiv.to(DOT_DTYPE)
+
+        # raw_y = intra-chunk term + decayed q~ . state_in (+ D psiv)
+        raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv_d, input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_lo_d, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_hi_d, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+        raw_y += tl.exp(da_cs)[:, None] * y_state
+        if HAS_D:
+            raw_y += d_skip * psiv
+
+        state_out = states_seq + c * N * P
+        chunk_st_mask = st_mask & (c < NCH)
+        tl.store(state_out + st_offs, state_lo.to(states_ptr.dtype.element_ty), mask=chunk_st_mask)
+        tl.store(state_out + HALF * P + st_offs, state_hi.to(states_ptr.dtype.element_ty), mask=chunk_st_mask)
+
+        k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
+        inc_lo, inc_hi = state_increment(k_lo, k_hi, k_weight, psiv_d, DOT_DTYPE, DOT_PRECISION)
+        chunk_decay = tl.exp(tl.load(da_cs_ptr + disc_base + tl.minimum(t0 + C - 1, S - 1)))
+        state_lo = state_lo * chunk_decay + inc_lo
+        state_hi = state_hi * chunk_decay + inc_hi
+
+        # Gradients of the output projection and the gate.
+        dout_rows = load_token_rows(dout_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        if HAS_Z:
+            z_rows = load_token_rows(z_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+            dphi_inc, dzeta_inc, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
+            dphi_acc += dphi_inc
+            dzeta_acc += dzeta_inc
+            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, BLOCK_P)
+            store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, tok, H * P, offs_p, p_mask, C)
+        else:
+            dphi_acc += raw_y * dout_rows
+
+    ranks = tl.arange(0, BLOCK_R)
+    rp_offs = (bh * N_SEGMENTS + seg) * R * P + ranks[:, None] * P + offs_p[None, :]
+    rp_mask = (ranks < R)[:, None] & p_mask[None, :]
+    tl.store(dphi_ptr + rp_offs, sum_over_tokens(dphi_acc, BLOCK_T, BLOCK_R, BLOCK_P), mask=rp_mask)
+    if HAS_Z:
+        tl.store(dzeta_ptr + rp_offs, sum_over_tokens(dzeta_acc, BLOCK_T, BLOCK_R, BLOCK_P), mask=rp_mask)
+
+
+def chunk_scan(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
+               da_cs, da_cs_rev, dt, trap, seg_state, states, qk_dot, dz,
+               chunk_size, n_segments, chunks_per_segment, block_p, dot_dtype, dot_precision,
+               num_warps=4, num_stages=1):
+    """Launch the fused scan; fills ``states``, ``qk_dot``, ``dz`` and returns the Phi/Zeta partials.
+
+    Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
+        angles: [B, S, H, RD]; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
+        fp32 (mimo_z may be None); d: [H] fp32 or None; da_cs, da_cs_rev, dt: [B, H, S] fp32;
+        trap: [B, H, S]; seg_state: [B, H, n_segments, N, P] fp32 from ``segment_end_states``;
+        states: [B, H, nch, N, P]; qk_dot: [B, H, S, R, R]; dz: [B, S, H, P] or None.
+    Returns:
+        dphi_partial, dzeta_partial: [B, H, n_segments, R, P] fp32 (dzeta None without Z);
+        the caller sums over segments.
+    """
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = angles.shape[3]
+    nch = triton.cdiv(S, chunk_size)
+    has_z = z is not None
+    dphi = torch.empty((B, H, n_segments, R, P), device=q.device, dtype=torch.float32)
+    dzeta = torch.empty_like(dphi) if has_z else None
+    meta = chunk_meta(chunk_size, R, N, block_p)
+    grid = (triton.cdiv(P, block_p), n_segments, B * H)
+    _chunk_scan_kernel[grid](
+        q, k, v, dout, z if has_z else dout, angles,
+        q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
+        da_cs, da_cs_rev, dt, trap, seg_state,
+        states, qk_dot, dz if has_z else states, dphi, dzeta if has_z else dphi,
+        S, H, G, H // G, nch, chunks_per_segment, n_segments,
+        C=chunk_size, R=R, N=N, P=P, RD=RD, **meta,
+        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment),
+        HAS_Z=has_z, HAS_D=d is not None,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dphi, dzeta

@@ -1,0 +1,226 @@
+"""stage0: the plain Triton baseline, kept for comparison (SPEC section 6).
+
+Three passes in the order of the upstream kernel:
+  1. rotary:  bias-add and rotate-half of q and k into fp32 scratch [B, H, S, R, N];
+  2. qk_dot:  the same-token R x R products from that scratch;
+  3. scan:    one program per (b, h) walks every chunk in series with the whole
+              [N, P] state in registers, reading the caller's ``segsum``.
+It is deliberately simple; the production path lives in chunk_state / chunk_scan.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_state import chunk_meta
+from .triton_utils import (
+    chunk_rows,
+    gate_grads,
+    load_chunk_cos_sin,
+    load_rank_rows,
+    load_rotated_rows,
+    load_token_discretization,
+    load_token_rows,
+    store_token_tile,
+    sum_over_ranks,
+    sum_over_tokens,
+)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, angles_ptr, q_bias_ptr, k_bias_ptr, q_rot_ptr, k_rot_ptr,
+    S, H, G, HEADS_PER_GROUP,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, RD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    g = h // HEADS_PER_GROUP
+    HALF: tl.constexpr = N // 2
+    row_t, row_r, row_valid = chunk_rows(BLOCK_T, BLOCK_R, C, R)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    half_mask = offs_half < HALF
+    t0 = c * C
+    t0_64 = t0.to(tl.int64)
+    row_mask = row_valid & (t0 + row_t < S)
+    token_stride = R * G * N
+    chunk_in = (b * S + t0_64) * token_stride + g * N
+    cos, sin = load_chunk_cos_sin(angles_ptr + ((b * S + t0_64) * H + h) * RD, t0, S, H * RD, offs_half,
+                                  BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
+    out_offs = (bh * S + t0_64) * R * N + (row_t * R + row_r)[:, None] * N + offs_half[None, :]
+    _rotate_chunk_to_scratch(q_ptr + chunk_in, q_bias_ptr + h * R * N, q_rot_ptr + out_offs, row_t, row_r,
+                             row_valid, row_mask, token_stride, G * N, offs_half, half_mask, cos, sin, N)
+    _rotate_chunk_to_scratch(k_ptr + chunk_in, k_bias_ptr + h * R * N, k_rot_ptr + out_offs, row_t, row_r,
+                             row_valid, row_mask, token_stride, G * N, offs_half, half_mask, cos, sin, N)
+
+
+@triton.jit
+def _rotate_chunk_to_scratch(x_chunk_ptr, bias_head_ptr, out_ptrs, row_t, row_r, row_valid, row_mask,
+                             token_stride, rank_stride, offs_half, half_mask, cos, sin, N: tl.constexpr):
+    HALF: tl.constexpr = N // 2
+    bias_lo = load_rank_rows(bias_head_ptr, row_r, row_valid, offs_half, half_mask, N)
+    bias_hi = load_rank_rows(bias_head_ptr + HALF, row_r, row_valid, offs_half, half_mask, N)
+    x_lo, x_hi = load_rotated_rows(x_chunk_ptr, row_t, row_r, row_mask, token_stride, rank_stride,
+                                   offs_half, half_mask, bias_lo, bias_hi, cos, sin, HALF)
+    out_mask = row_mask[:, None] & half_mask[None, :]
+    tl.store(out_ptrs, x_lo, mask=out_mask)
+    tl.store(out_ptrs + HALF, x_hi, mask=out_mask)
+
+
+@triton.jit
+def _qk_dot_kernel(q_rot_ptr, k_rot_ptr, qk_dot_ptr, S,
+                   C: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    ranks = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    tile_mask = (ranks < R)[:, None] & (offs_n < N)[None, :]
+    for tok in range(0, C):
+        t = c * C + tok
+        if t < S:
+            base = (bh * S + t) * R * N
+            q_t = tl.load(q_rot_ptr + base + ranks[:, None] * N + offs_n[None, :], mask=tile_mask, other=0.0)
+            k_t = tl.load(k_rot_ptr + base + ranks[:, None] * N + offs_n[None, :], mask=tile_mask, other=0.0)
+            qk = tl.sum(q_t[:, None, :] * k_t[None, :, :], axis=2)
+            out = qk_dot_ptr + (bh * S + t) * R * R + ranks[:, None] * R + ranks[None, :]
+            pair_mask = (ranks < R)[:, None] & (ranks < R)[None, :]
+            tl.store(out, qk.to(qk_dot_ptr.dtype.element_ty), mask=pair_mask)
+
+
+@triton.jit
+def _serial_scan_kernel(
+    q_rot_ptr, k_rot_ptr, v_ptr, dout_ptr, z_ptr,
+    psi_ptr, phi_ptr, zeta_ptr, d_ptr,
+    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, segsum_ptr,
+    states_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
+    S, H, NCH,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    BLOCK_ROWS: tl.constexpr = BLOCK_T * BLOCK_R
+    row_t, row_r, row_valid = chunk_rows(BLOCK_T, BLOCK_R, C, R)
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_p = tl.arange(0, BLOCK_P)
+    p_mask = offs_p < P
+    tok = tl.arange(0, BLOCK_T)
+
+    psi = load_rank_rows(psi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    phi = load_rank_rows(phi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    if HAS_Z:
+        zeta = load_rank_rows(zeta_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    if HAS_D:
+        d_skip = tl.load(d_ptr + h).to(tl.float32)
+
+    disc_base = bh * S
+    hp_seq = (b * S * H + h) * P
+    state = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    dphi_acc = tl.zeros((BLOCK_ROWS, BLOCK_P), dtype=tl.float32)
+    dzeta_acc = tl.zeros((BLOCK_ROWS, BLOCK_P), dtype=tl.float32)
+    st_offs = offs_n[:, None] * P + offs_p[None, :]
+    st_mask = n_mask[:, None] & p_mask[None, :]
+    for c in range(0, NCH):
+        t0 = c * C
+        t0_64 = t0.to(tl.int64)
+        t_abs = t0 + row_t
+        row_mask = row_valid & (t_abs < S)
+        rot_offs = (bh * S + t0_64) * R * N + (row_t * R + row_r)[:, None] * N + offs_n[None, :]
+        rot_mask = row_mask[:, None] & n_mask[None, :]
+        q_rows = tl.load(q_rot_ptr + rot_offs, mask=rot_mask, other=0.0)
+        k_rows = tl.load(k_rot_ptr + rot_offs, mask=rot_mask, other=0.0)
+        q_rows_d = q_rows.to(DOT_DTYPE)
+        scores = tl.dot(q_rows_d, tl.trans(k_rows.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+
+        da_cs, da_rev, gamma, trap_scale = load_token_discretization(
+            da_cs_ptr + disc_base, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_abs, S)
+        both = row_mask[:, None] & row_mask[None, :]
+        earlier = (row_t[:, None] > row_t[None, :]) & both
+        seg_offs = ((bh * NCH + c) * C + row_t[:, None]) * C + row_t[None, :]
+        segsum = tl.load(segsum_ptr + seg_offs, mask=earlier, other=0.0)
+        weights = tl.where(earlier, tl.exp(segsum) * trap_scale[None, :],
+                           tl.where((row_t[:, None] == row_t[None, :]) & both, gamma[:, None], 0.0))
+
+        v_rows = load_token_rows(v_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        psiv = v_rows * psi
+        psiv_d = psiv.to(DOT_DTYPE)
+        raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv_d, input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_rows_d, state.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        raw_y += tl.exp(da_cs)[:, None] * y_state
+        if HAS_D:
+            raw_y += d_skip * psiv
+
+        tl.store(states_ptr + (bh * NCH + c) * N * P + st_offs, state.to(states_ptr.dtype.element_ty),
+                 mask=st_mask)
+        k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
+        k_w = (k_rows * k_weight[:, None]).to(DOT_DTYPE)
+        chunk_decay = tl.exp(tl.load(da_cs_ptr + disc_base + tl.minimum(t0 + C - 1, S - 1)))
+        state = state * chunk_decay + tl.dot(tl.trans(k_w), psiv_d, input_precision=DOT_PRECISION)
+
+        dout_rows = load_token_rows(dout_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        if HAS_Z:
+            z_rows = load_token_rows(z_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+            dphi_inc, dzeta_inc, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
+            dphi_acc += dphi_inc
+            dzeta_acc += dzeta_inc
+            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, BLOCK_P)
+            store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, tok, H * P, offs_p, p_mask, C)
+        else:
+            dphi_acc += raw_y * dout_rows
+
+    ranks = tl.arange(0, BLOCK_R)
+    rp_offs = bh * R * P + ranks[:, None] * P + offs_p[None, :]
+    rp_mask = (ranks < R)[:, None] & p_mask[None, :]
+    tl.store(dphi_ptr + rp_offs, sum_over_tokens(dphi_acc, BLOCK_T, BLOCK_R, BLOCK_P).to(
+        dphi_ptr.dtype.element_ty), mask=rp_mask)
+    if HAS_Z:
+        tl.store(dzeta_ptr + rp_offs, sum_over_tokens(dzeta_acc, BLOCK_T, BLOCK_R, BLOCK_P).to(
+            dzeta_ptr.dtype.element_ty), mask=rp_mask)
+
+
+def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
+                   da_cs, da_cs_rev, dt, trap, segsum, states, qk_dot, dmimo_o, dmimo_z, dz,
+                   chunk_size, dot_dtype, dot_precision):
+    """The baseline: rotary pass, qk_dot pass, serial scan; fills every output tensor in place.
+
+    Args (contiguous): as ``chunk_scan``, plus segsum: [B, H, nch, C, C] fp32 and the outputs
+    dmimo_o, dmimo_z: [B, H, R, P] (dmimo_z, dz, z, mimo_z None without the gate).
+    """
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = angles.shape[3]
+    nch = triton.cdiv(S, chunk_size)
+    has_z = z is not None
+    meta = chunk_meta(chunk_size, R, N, triton.next_power_of_2(P))
+    q_rot = torch.empty((B, H, S, R, N), device=q.device, dtype=torch.float32)
+    k_rot = torch.empty_like(q_rot)
+    _rotary_kernel[(nch, B * H)](
+        q, k, angles, q_bias, k_bias, q_rot, k_rot, S, H, G, H // G,
+        C=chunk_size, R=R, N=N, RD=RD,
+        BLOCK_T=meta["BLOCK_T"], BLOCK_R=meta["BLOCK_R"], BLOCK_HALF=meta["BLOCK_HALF"],
+    )
+    _qk_dot_kernel[(nch, B * H)](
+        q_rot, k_rot, qk_dot, S, C=chunk_size, R=R, N=N,
+        BLOCK_R=meta["BLOCK_R"], BLOCK_N=triton.next_power_of_2(N),
+    )
+    _serial_scan_kernel[(B * H,)](
+        q_rot, k_rot, v, dout, z if has_z else dout,
+        mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else mimo_o,
+        da_cs, da_cs_rev, dt, trap, segsum,
+        states, dz if has_z else states, dmimo_o, dmimo_z if has_z else dmimo_o,
+        S, H, nch,
+        C=chunk_size, R=R, N=N, P=P,
+        BLOCK_T=meta["BLOCK_T"], BLOCK_R=meta["BLOCK_R"],
+        BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        HAS_Z=has_z, HAS_D=d is not None,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=8,
+    )
