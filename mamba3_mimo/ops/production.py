@@ -34,10 +34,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     n_pow = triton.next_power_of_2(N)
     block_p = min(max(16, triton.next_power_of_2(P)), max(16, STATE_TILE_BUDGET // n_pow))
     programs = B * H * triton.cdiv(P, block_p)
-    want_segments = triton.cdiv(2 * num_sms, programs)
+    # A power of two: the official chunk counts are powers of two, so segments come out equal.
+    want_segments = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
-    chunks_per_segment = triton.cdiv(nch, n_segments)
-    n_segments = triton.cdiv(nch, chunks_per_segment)
     rows = triton.next_power_of_2(chunk_size) * triton.next_power_of_2(R)
     num_warps = 8 if rows * block_p >= 64 * 64 or n_pow * block_p >= 8192 else 4
     return ScanConfig(block_p=block_p, n_segments=n_segments, num_warps=num_warps)

@@ -1,0 +1,307 @@
+"""Benchmark of bwd_fwd on the GPU: time, HBM floor, speedups, compiled resources.
+
+    python -m mamba3_mimo.bench                     # official 11 cases, Z on, bf16, output bf16
+    python -m mamba3_mimo.bench --no-z --output-dtype fp32 --impl production
+    python -m mamba3_mimo.bench --cases N128_P64_R4_C16 --sweep   # time candidate production configs
+
+Protocol (SPEC section 9): ``triton.testing.do_bench`` medians of warm calls,
+cycling over several input sets so that the inputs come from HBM, not L2; the
+floor is each required input read once and each output written once (segsum
+excluded, it is derivable from da_cs) at the copy bandwidth measured in the
+same run.
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+
+import torch
+
+OFFICIAL_CASES = ("N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16", "N128_P64_R4_C16", "N256_P64_R4_C8",
+                  "N64_P128_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P64_R8_C8", "N128_P64_R2_C32",
+                  "N128_P64_R1_C64")
+QUICK_CASES = ("N16_P64_R4_C8", "N256_P64_R4_C8", "N64_P128_R4_C16", "N128_P64_R2_C32", "N128_P64_R1_C64")
+# Upstream TileLang bwd_fwd on one H200 (microseconds), from shared/anchor/tilelang_bwd_fwd_h200.md:
+# B=4, S=2048, H=16, G=1, bf16, D on; (Z on, Z off).
+TILELANG_US = {
+    "N16_P64_R4_C8": (1061, 530), "N32_P64_R4_C16": (1058, 611), "N64_P64_R4_C16": (1220, 695),
+    "N128_P64_R4_C16": (1459, 979), "N256_P64_R4_C8": (2377, 1955), "N64_P128_R4_C16": (1373, 996),
+    "N128_P32_R4_C16": (1146, 736), "N128_P128_R4_C8": (2340, 1891), "N128_P64_R8_C8": (2775, 1812),
+    "N128_P64_R2_C32": (771, 516), "N128_P64_R1_C64": (495, 340),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_case(name):
+    """'N128_P64_R4_C16' -> dict(N=128, P=64, R=4, chunk_size=16)."""
+    fields = dict((part[0], int(part[1:])) for part in name.split("_"))
+    return dict(N=fields["N"], P=fields["P"], R=fields["R"], chunk_size=fields["C"])
+
+
+def hbm_floor_bytes(inputs, has_z, output_dtype):
+    """Bytes of every required input read once and every output written once."""
+    names = ["dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "angles", "da_cs", "da_cs_rev", "dt",
+             "trap", "d"] + (["z", "mimo_z"] if has_z else [])
+    read = sum(inputs[n].numel() * inputs[n].element_size() for n in names if inputs[n] is not None)
+    q, v = inputs["q"], inputs["v"]
+    B, S, R, _, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    nch = math.ceil(S / inputs["chunk_size"])
+    out_elems = B * H * nch * N * P + B * H * S * R * R + B * H * R * P
+    if has_z:
+        out_elems += B * H * R * P + B * S * H * P
+    return read + out_elems * torch.empty((), dtype=output_dtype).element_size()
+
+
+def flop_count(B, S, H, N, P, R, chunk_size):
+    """Matrix-product FLOPs: scores, intra-chunk output, q~ . state, state update, per chunk."""
+    rows = chunk_size * R
+    nch = math.ceil(S / chunk_size)
+    per_chunk = 2 * rows * rows * N + 2 * rows * rows * P + 2 * rows * N * P + 2 * rows * N * P
+    return B * H * nch * per_chunk
+
+
+def copy_bandwidth(device, nbytes=2 << 30):
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _jit_kernels():
+    from .ops import chunk_scan, chunk_state, stage0
+
+    return {"segment_end_state": chunk_state._segment_end_state_kernel, "chunk_scan": chunk_scan._chunk_scan_kernel,
+            "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
+            "serial_scan": stage0._serial_scan_kernel}
+
+
+def _compiled_variants(jit_fn):
+    """All compiled kernels of a JITFunction, across devices (triton 3.x cache layout)."""
+    found = []
+    for device_cache in getattr(jit_fn, "device_caches", {}).values():
+        cache = device_cache[0] if isinstance(device_cache, tuple) else device_cache
+        found.extend(cache.values())
+    return found
+
+
+def kernel_resources(before):
+    """Shared memory, registers and spills of the kernels compiled since ``before`` (a snapshot)."""
+    report = {}
+    for name, fn in _jit_kernels().items():
+        new = [k for k in _compiled_variants(fn) if id(k) not in before]
+        for kernel in new:
+            shared = int(getattr(kernel.metadata, "shared", 0))
+            entry = report.setdefault(name, dict(shared_bytes=0, regs=0, spills=0))
+            entry["shared_bytes"] = max(entry["shared_bytes"], shared)
+            entry["regs"] = max(entry["regs"], int(getattr(kernel, "n_regs", 0) or 0))
+            entry["spills"] = max(entry["spills"], int(getattr(kernel, "n_spills", 0) or 0))
+    return report
+
+
+def _snapshot():
+    return {id(k) for fn in _jit_kernels().values() for k in _compiled_variants(fn)}
+
+
+def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
+    """(first-call ms, steady-state median ms, kernel resources) of one implementation."""
+    import triton.testing
+
+    from .api import bwd_fwd
+
+    before = _snapshot()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    bwd_fwd(**input_sets[0], output_dtype=output_dtype, impl=impl, config=config)
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - start) * 1e3
+    resources = kernel_resources(before)
+    cycle = itertools.cycle(input_sets)
+    ms = triton.testing.do_bench(lambda: bwd_fwd(**next(cycle), output_dtype=output_dtype, impl=impl,
+                                                 config=config),
+                                 warmup=warmup, rep=rep, return_mode="median")
+    return first_ms, ms, resources
+
+
+def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms):
+    """Candidate production configs around the dispatcher's choice."""
+    from .ops.production import ScanConfig, choose_config
+
+    nch = math.ceil(S / chunk_size)
+    chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
+    candidates = {chosen}
+    p_pow = max(16, 1 << (P - 1).bit_length())
+    for block_p in (16, 32, 64, 128, 256):
+        if block_p > p_pow or not min(2048, N * p_pow) <= N * block_p <= 16384:
+            continue
+        programs = B * H * math.ceil(P / block_p)
+        for n_segments in (1, 2, 4, 8):
+            if n_segments > max(1, nch // 4) or not 128 <= programs * n_segments <= 2048:
+                continue
+            for num_warps in (4, 8):
+                candidates.add(ScanConfig(block_p=block_p, n_segments=n_segments, num_warps=num_warps))
+    return chosen, sorted(candidates, key=lambda c: (c.block_p, c.n_segments, c.num_warps, c.num_stages))
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args):
+    from .inputs import make_inputs
+    from .ops.production import choose_config
+
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    output_dtype = DTYPES[args.output_dtype]
+    has_z = not args.no_z
+    impls = args.impl.split(",")
+    bandwidth = copy_bandwidth(device)
+    print(f"# {props.name}, {props.multi_processor_count} SMs, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+          file=sys.stderr)
+    records = []
+    for index, name in enumerate(args.cases):
+        shape = parse_case(name)
+        sizes = dict(B=args.B, S=args.S, H=args.H, G=args.G, **shape)
+        input_sets = [make_inputs(**sizes, dtype=DTYPES[args.dtype], z=has_z, d=True, device=device, seed=seed)
+                      for seed in range(args.input_sets)]
+        floor_ms = hbm_floor_bytes(input_sets[0], has_z, output_dtype) / bandwidth * 1e3
+        flops = flop_count(args.B, args.S, args.H, shape["N"], shape["P"], shape["R"], shape["chunk_size"])
+        runs = [(impl, None) for impl in impls]
+        if args.sweep:
+            _, configs = sweep_configs(args.B, args.S, args.H, shape["N"], shape["P"], shape["R"],
+                                       shape["chunk_size"], props.multi_processor_count)
+            runs = [("production", config) for config in configs] + [(i, None) for i in impls if i != "production"]
+        case_records = []
+        for impl, config in runs:
+            try:
+                first_ms, ms, resources = time_impl(input_sets, impl, output_dtype, config=config)
+            except Exception as exc:  # a candidate that does not compile or launch is reported, not fatal
+                if not args.sweep:
+                    raise
+                print(f"[{index + 1}/{len(args.cases)}] {name} {impl} {config}: FAILED {exc!r:.300}", file=sys.stderr)
+                continue
+            if impl == "production" and config is None:
+                config = choose_config(B=args.B, H=args.H, S=args.S, num_sms=props.multi_processor_count, **shape)
+            record = dict(case=name, impl=impl, z=has_z, output_dtype=args.output_dtype, dtype=args.dtype,
+                          B=args.B, S=args.S, H=args.H, G=args.G, ms=ms, floor_ms=floor_ms,
+                          floor_ratio=ms / floor_ms, tflops=flops / (ms * 1e-3) / 1e12, first_call_ms=first_ms,
+                          kernels=resources, config=None if config is None else vars(config))
+            anchor = TILELANG_US.get(name)
+            if anchor and (args.B, args.S, args.H, args.G, args.dtype) == (4, 2048, 16, 1, "bf16"):
+                record["tilelang_ms"] = anchor[0 if has_z else 1] / 1e3
+                record["speedup_vs_tilelang"] = record["tilelang_ms"] / ms
+            case_records.append(record)
+            print(f"[{index + 1}/{len(args.cases)}] {name} {impl} {record['config'] or ''}: {ms * 1e3:.1f} us "
+                  f"({record['floor_ratio']:.2f}x floor)", file=sys.stderr, flush=True)
+        baseline = [r["ms"] for r in case_records if r["impl"] == "stage0"]
+        for record in case_records:
+            if baseline:
+                record["speedup_vs_stage0"] = baseline[0] / record["ms"]
+        records.extend(case_records)
+        del input_sets
+        torch.cuda.empty_cache()
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=_git_commit(), gpu=props.name, sms=props.multi_processor_count,
+                copy_bandwidth_tbs=bandwidth / 1e12, torch=torch.__version__,
+                triton=__import__("triton").__version__, args=vars(args))
+    return meta, records
+
+
+def format_table(records):
+    head = (f"{'case':<17} {'impl':<10} {'us':>8} {'floor us':>8} {'x floor':>7} {'vs stage0':>9} "
+            f"{'vs TileLang':>11} {'TFLOP/s':>7} {'first ms':>8} {'smem KB':>7} {'regs':>4} {'spill':>5}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        kernels = r["kernels"].values()
+        smem = max((k["shared_bytes"] for k in kernels), default=0) / 1024
+        regs = max((k["regs"] for k in kernels), default=0)
+        spills = max((k["spills"] for k in kernels), default=0)
+        lines.append(f"{r['case']:<17} {r['impl']:<10} {r['ms'] * 1e3:>8.1f} {r['floor_ms'] * 1e3:>8.1f} "
+                     f"{r['floor_ratio']:>7.2f} {r.get('speedup_vs_stage0', float('nan')):>9.2f} "
+                     f"{r.get('speedup_vs_tilelang', float('nan')):>11.2f} {r['tflops']:>7.1f} "
+                     f"{r['first_call_ms']:>8.0f} {smem:>7.1f} {regs:>4} {spills:>5}")
+    prod = [r for r in records if r["impl"] == "production" and "speedup_vs_tilelang" in r]
+    if prod:
+        geo = math.exp(sum(math.log(r["speedup_vs_tilelang"]) for r in prod) / len(prod))
+        worst = min(r["speedup_vs_tilelang"] for r in prod)
+        floor_geo = math.exp(sum(math.log(r["floor_ratio"]) for r in prod) / len(prod))
+        lines.append(f"production vs TileLang: geomean {geo:.2f}x, worst case {worst:.2f}x; "
+                     f"time/floor geomean {floor_geo:.2f}x, worst {max(r['floor_ratio'] for r in prod):.2f}x")
+    return "\n".join(lines)
+
+
+def draw_chart(records, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prod = [r for r in records if r["impl"] == "production"]
+    names = [r["case"] for r in prod]
+    fig, (ax_speed, ax_floor) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    xs = range(len(prod))
+    width = 0.4
+    ax_speed.bar([x - width / 2 for x in xs], [r.get("speedup_vs_stage0", 0) for r in prod], width,
+                 label="vs stage0")
+    ax_speed.bar([x + width / 2 for x in xs], [r.get("speedup_vs_tilelang", 0) for r in prod], width,
+                 label="vs TileLang (anchor)")
+    ax_speed.set_ylabel("speedup (x)")
+    ax_speed.legend()
+    ax_speed.set_title(title)
+    ax_floor.bar(list(xs), [r["floor_ratio"] for r in prod], 0.6, color="tab:green")
+    ax_floor.axhline(3.0, color="red", linestyle="--", label="3x floor target")
+    ax_floor.set_ylabel("time / HBM floor")
+    ax_floor.legend()
+    ax_floor.set_xticks(list(xs))
+    ax_floor.set_xticklabels(names, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(OFFICIAL_CASES),
+                        help="N_P_R_C names, or 'quick' for the 5 quick cases")
+    parser.add_argument("--impl", default="production,stage0", help="comma-separated: production,stage0")
+    parser.add_argument("--no-z", action="store_true", help="without the SiLU gate")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--output-dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--B", type=int, default=4)
+    parser.add_argument("--S", type=int, default=2048)
+    parser.add_argument("--H", type=int, default=16)
+    parser.add_argument("--G", type=int, default=1)
+    parser.add_argument("--input-sets", type=int, default=3, help="input sets cycled through (L2 defeat)")
+    parser.add_argument("--sweep", action="store_true", help="time candidate production configs")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--png", help="draw the chart here")
+    args = parser.parse_args(argv)
+    if args.cases == ["quick"]:
+        args.cases = list(QUICK_CASES)
+    if not torch.cuda.is_available():
+        parser.error("the benchmark needs a CUDA GPU")
+    meta, records = run(args)
+    print(format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+    if args.png:
+        draw_chart(records, args.png, f"bwd_fwd on {meta['gpu']} ({args.dtype}, Z {'off' if args.no_z else 'on'}, "
+                                      f"output {args.output_dtype})")
+
+
+if __name__ == "__main__":
+    main()
