@@ -23,10 +23,10 @@ from .triton_utils import (
     chunk_rows,
     intra_chunk_weights,
     load_chunk_cos_sin,
-    load_rank_rows,
+    load_rank_tile,
     load_rotated_rows,
     load_token_discretization,
-    load_token_rows,
+    load_token_tile,
     gate_grads,
     state_increment,
     store_token_tile,
@@ -76,7 +76,6 @@ def _chunk_scan_kernel(
     h = bh % H
     g = h // HEADS_PER_GROUP
     HALF: tl.constexpr = N // 2
-    BLOCK_ROWS: tl.constexpr = BLOCK_T * BLOCK_R
 
     row_t, row_r, row_valid = chunk_rows(BLOCK_T, BLOCK_R, C, R)
     offs_half = tl.arange(0, BLOCK_HALF)
@@ -85,15 +84,13 @@ def _chunk_scan_kernel(
     p_mask = offs_p < P
     tok = tl.arange(0, BLOCK_T)
 
-    # Per-head parameters, laid out per row once for the whole scan.
-    qb_lo = load_rank_rows(q_bias_ptr + h * R * N, row_r, row_valid, offs_half, half_mask, N)
-    qb_hi = load_rank_rows(q_bias_ptr + h * R * N + HALF, row_r, row_valid, offs_half, half_mask, N)
-    kb_lo = load_rank_rows(k_bias_ptr + h * R * N, row_r, row_valid, offs_half, half_mask, N)
-    kb_hi = load_rank_rows(k_bias_ptr + h * R * N + HALF, row_r, row_valid, offs_half, half_mask, N)
-    psi = load_rank_rows(psi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
-    phi = load_rank_rows(phi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
-    if HAS_Z:
-        zeta = load_rank_rows(zeta_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    # Per-head parameters are re-read every chunk (L1-resident) rather than held in
+    # registers across the scan: register pressure, not bandwidth, limits this kernel.
+    q_bias_head = q_bias_ptr + h * R * N
+    k_bias_head = k_bias_ptr + h * R * N
+    psi_head = psi_ptr + h * R * P
+    phi_head = phi_ptr + h * R * P
+    zeta_head = zeta_ptr + h * R * P
     if HAS_D:
         d_skip = tl.load(d_ptr + h).to(tl.float32)
 
@@ -102,8 +99,11 @@ def _chunk_scan_kernel(
     q_seq = q_ptr + b * S * qk_token_stride + g * N
     k_seq = k_ptr + b * S * qk_token_stride + g * N
     hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    v_seq = v_ptr + hp_seq
+    dout_seq = dout_ptr + hp_seq
+    z_seq = z_ptr + hp_seq
     angles_seq = angles_ptr + (b * S * H + h) * RD
-    states_seq = states_ptr + bh * NCH * N * P
+    states_seq = states_ptr + bh * NCH * N * P  # [B, H, nch, N, P] at (b, h, 0, 0, 0)
     qk_dot_seq = qk_dot_ptr + bh * S * R * R
 
     st_offs = offs_half[:, None] * P + offs_p[None, :]
@@ -117,84 +117,83 @@ def _chunk_scan_kernel(
                                            S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, st_offs, st_mask, C, N, P,
                                            BLOCK_SEG_CHUNKS)
 
-    dphi_acc = tl.zeros((BLOCK_ROWS, BLOCK_P), dtype=tl.float32)
-    dzeta_acc = tl.zeros((BLOCK_ROWS, BLOCK_P), dtype=tl.float32)
-    same_token = row_t[:, None] == row_t[None, :]
+    dphi_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    dzeta_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
 
     # A constant trip count: chunks past NCH (only in the last segment) are virtual padding,
-    # fully masked, and leave every output untouched.
+    # fully masked, and leave every output untouched.  Index tiles are built from the
+    # loop-variant positions ``t_abs`` so that none is hoisted out of the loop into registers.
     for i in range(0, CHUNKS_PER_SEG):
         c = seg * CHUNKS_PER_SEG + i
         t0 = c * C
-        t0_64 = t0.to(tl.int64)
         t_abs = t0 + row_t
         row_mask = row_valid & (t_abs < S)
 
         # q~, k~ of the chunk (shared angles: same token, same head).
-        cos, sin = load_chunk_cos_sin(angles_seq + t0_64 * H * RD, t0, S, H * RD, offs_half,
-                                      BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
-        q_lo, q_hi = load_rotated_rows(q_seq + t0_64 * qk_token_stride, row_t, row_r, row_mask,
-                                       qk_token_stride, G * N, offs_half, half_mask, qb_lo, qb_hi,
-                                       cos, sin, HALF)
-        k_lo, k_hi = load_rotated_rows(k_seq + t0_64 * qk_token_stride, row_t, row_r, row_mask,
-                                       qk_token_stride, G * N, offs_half, half_mask, kb_lo, kb_hi,
-                                       cos, sin, HALF)
-        q_lo_d = q_lo.to(DOT_DTYPE)
-        q_hi_d = q_hi.to(DOT_DTYPE)
-        scores = tl.dot(q_lo_d, tl.trans(k_lo.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_hi_d, tl.trans(k_hi.to(DOT_DTYPE)), scores, input_precision=DOT_PRECISION)
+        cos, sin = load_chunk_cos_sin(angles_seq, t0, S, H * RD, offs_half, BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
+        q_lo, q_hi = load_rotated_rows(q_seq, q_bias_head, t_abs, row_r, row_mask, qk_token_stride, G * N,
+                                       offs_half, half_mask, cos, sin, N, R, BLOCK_T, BLOCK_R, BLOCK_HALF,
+                                       DOT_DTYPE)
+        k_lo, k_hi = load_rotated_rows(k_seq, k_bias_head, t_abs, row_r, row_mask, qk_token_stride, G * N,
+                                       offs_half, half_mask, cos, sin, N, R, BLOCK_T, BLOCK_R, BLOCK_HALF,
+                                       DOT_DTYPE)
+        scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
 
         if pid_p == 0:
             # Same-token blocks of the score matrix are qk_dot (rotation preserves the dot).
             qk_offs = (t_abs * R + row_r)[:, None] * R + row_r[None, :]
-            qk_mask = same_token & row_mask[:, None] & row_valid[None, :]
+            qk_mask = (t_abs[:, None] == t_abs[None, :]) & row_mask[:, None] & row_mask[None, :]
             tl.store(qk_dot_seq + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
 
         da_cs, da_rev, gamma, trap_scale = load_token_discretization(
             da_cs_ptr + disc_base, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_abs, S)
-        weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_cs, da_cs, gamma, trap_scale)
+        weights = intra_chunk_weights(t_abs, t_abs, row_mask, row_mask, da_cs, da_cs, gamma, trap_scale)
 
-        v_rows = load_token_rows(v_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
-        psiv = v_rows * psi
+        v_rows = load_token_tile(v_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
+        psiv = v_rows * load_rank_tile(psi_head, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
         psiv_d = psiv.to(DOT_DTYPE)
 
         # raw_y = intra-chunk term + decayed q~ . state_in (+ D psiv)
         raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv_d, input_precision=DOT_PRECISION)
-        y_state = tl.dot(q_lo_d, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        y_state = tl.dot(q_hi_d, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
         raw_y += tl.exp(da_cs)[:, None] * y_state
         if HAS_D:
             raw_y += d_skip * psiv
 
-        state_out = states_seq + c * N * P
-        chunk_st_mask = st_mask & (c < NCH)
-        tl.store(state_out + st_offs, state_lo.to(states_ptr.dtype.element_ty), mask=chunk_st_mask)
-        tl.store(state_out + HALF * P + st_offs, state_hi.to(states_ptr.dtype.element_ty), mask=chunk_st_mask)
+        st_offs = (c * N + offs_half)[:, None] * P + offs_p[None, :]
+        st_mask = half_mask[:, None] & p_mask[None, :] & (c < NCH)
+        tl.store(states_seq + st_offs, state_lo.to(states_ptr.dtype.element_ty), mask=st_mask)
+        tl.store(states_seq + HALF * P + st_offs, state_hi.to(states_ptr.dtype.element_ty), mask=st_mask)
 
         k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
-        inc_lo, inc_hi = state_increment(k_lo, k_hi, k_weight, psiv_d, DOT_DTYPE, DOT_PRECISION)
+        inc_lo, inc_hi = state_increment(k_lo, k_hi, psiv, k_weight, DOT_DTYPE, DOT_PRECISION)
         chunk_decay = tl.exp(tl.load(da_cs_ptr + disc_base + tl.minimum(t0 + C - 1, S - 1)))
         state_lo = state_lo * chunk_decay + inc_lo
         state_hi = state_hi * chunk_decay + inc_hi
 
-        # Gradients of the output projection and the gate.
-        dout_rows = load_token_rows(dout_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        # Gradients of the output projection and the gate, reduced over the chunk's tokens
+        # right away so the accumulators stay [BLOCK_R, BLOCK_P].
+        dout_rows = load_token_tile(dout_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
         if HAS_Z:
-            z_rows = load_token_rows(z_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
-            dphi_inc, dzeta_inc, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
-            dphi_acc += dphi_inc
-            dzeta_acc += dzeta_inc
+            phi = load_rank_tile(phi_head, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
+            z_rows = load_token_tile(z_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
+            zeta = load_rank_tile(zeta_head, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
+            dphi_rows, dzeta_rows, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
+            dphi_acc += sum_over_tokens(dphi_rows, BLOCK_T, BLOCK_R, BLOCK_P)
+            dzeta_acc += sum_over_tokens(dzeta_rows, BLOCK_T, BLOCK_R, BLOCK_P)
             dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, BLOCK_P)
             store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, tok, H * P, offs_p, p_mask, C)
         else:
-            dphi_acc += raw_y * dout_rows
+            dphi_acc += sum_over_tokens(raw_y * dout_rows, BLOCK_T, BLOCK_R, BLOCK_P)
 
     ranks = tl.arange(0, BLOCK_R)
     rp_offs = (bh * N_SEGMENTS + seg) * R * P + ranks[:, None] * P + offs_p[None, :]
     rp_mask = (ranks < R)[:, None] & p_mask[None, :]
-    tl.store(dphi_ptr + rp_offs, sum_over_tokens(dphi_acc, BLOCK_T, BLOCK_R, BLOCK_P), mask=rp_mask)
+    tl.store(dphi_ptr + rp_offs, dphi_acc, mask=rp_mask)
     if HAS_Z:
-        tl.store(dzeta_ptr + rp_offs, sum_over_tokens(dzeta_acc, BLOCK_T, BLOCK_R, BLOCK_P), mask=rp_mask)
+        tl.store(dzeta_ptr + rp_offs, dzeta_acc, mask=rp_mask)
 
 
 def chunk_scan(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,

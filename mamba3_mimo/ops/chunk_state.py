@@ -15,10 +15,10 @@ import triton.language as tl
 from .triton_utils import (
     chunk_rows,
     load_chunk_cos_sin,
-    load_rank_rows,
+    load_rank_tile,
     load_rotated_rows,
     load_token_discretization,
-    load_token_rows,
+    load_token_tile,
     state_increment,
 )
 
@@ -46,10 +46,10 @@ def _segment_end_state_kernel(
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < P
+    tok = tl.arange(0, BLOCK_T)
 
-    kb_lo = load_rank_rows(k_bias_ptr + h * R * N, row_r, row_valid, offs_half, half_mask, N)
-    kb_hi = load_rank_rows(k_bias_ptr + h * R * N + HALF, row_r, row_valid, offs_half, half_mask, N)
-    psi = load_rank_rows(psi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    k_bias_head = k_bias_ptr + h * R * N
+    psi_head = psi_ptr + h * R * P
 
     disc_base = bh * S
     qk_token_stride = R * G * N
@@ -65,22 +65,19 @@ def _segment_end_state_kernel(
         t0 = c * C
         t_abs = t0 + row_t
         row_mask = row_valid & (t_abs < S)
-        t0_64 = t0.to(tl.int64)
 
-        cos, sin = load_chunk_cos_sin(angles_seq + t0_64 * H * RD, t0, S, H * RD, offs_half,
-                                      BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
-        k_lo, k_hi = load_rotated_rows(k_seq + t0_64 * qk_token_stride, row_t, row_r, row_mask,
-                                       qk_token_stride, G * N, offs_half, half_mask, kb_lo, kb_hi,
-                                       cos, sin, HALF)
+        cos, sin = load_chunk_cos_sin(angles_seq, t0, S, H * RD, offs_half, BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
+        k_lo, k_hi = load_rotated_rows(k_seq, k_bias_head, t_abs, row_r, row_mask, qk_token_stride, G * N,
+                                       offs_half, half_mask, cos, sin, N, R, BLOCK_T, BLOCK_R, BLOCK_HALF,
+                                       DOT_DTYPE)
         _, da_rev, _, trap_scale = load_token_discretization(
             da_cs_ptr + disc_base, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_abs, S)
-        v_rows = load_token_rows(v_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
-        psiv = (v_rows * psi).to(DOT_DTYPE)
+        v_rows = load_token_tile(v_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
+        psiv = v_rows * load_rank_tile(psi_head, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
         k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
-        inc_lo, inc_hi = state_increment(k_lo, k_hi, k_weight, psiv, DOT_DTYPE, DOT_PRECISION)
+        inc_lo, inc_hi = state_increment(k_lo, k_hi, psiv, k_weight, DOT_DTYPE, DOT_PRECISION)
 
-        da_last = tl.load(da_cs_ptr + disc_base + tl.minimum(t0 + C - 1, S - 1))
-        chunk_decay = tl.exp(da_last)
+        chunk_decay = tl.exp(tl.load(da_cs_ptr + disc_base + tl.minimum(t0 + C - 1, S - 1)))
         state_lo = state_lo * chunk_decay + inc_lo
         state_hi = state_hi * chunk_decay + inc_hi
 

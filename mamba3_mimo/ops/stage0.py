@@ -17,10 +17,10 @@ from .triton_utils import (
     chunk_rows,
     gate_grads,
     load_chunk_cos_sin,
-    load_rank_rows,
+    load_rank_tile,
     load_rotated_rows,
     load_token_discretization,
-    load_token_rows,
+    load_token_tile,
     store_token_tile,
     sum_over_ranks,
     sum_over_tokens,
@@ -44,30 +44,24 @@ def _rotary_kernel(
     offs_half = tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     t0 = c * C
-    t0_64 = t0.to(tl.int64)
-    row_mask = row_valid & (t0 + row_t < S)
+    t_abs = t0 + row_t
+    row_mask = row_valid & (t_abs < S)
     token_stride = R * G * N
-    chunk_in = (b * S + t0_64) * token_stride + g * N
-    cos, sin = load_chunk_cos_sin(angles_ptr + ((b * S + t0_64) * H + h) * RD, t0, S, H * RD, offs_half,
+    x_seq = b * S * token_stride + g * N
+    cos, sin = load_chunk_cos_sin(angles_ptr + (b * S * H + h) * RD, t0, S, H * RD, offs_half,
                                   BLOCK_T, BLOCK_R, BLOCK_HALF, C, RD)
-    out_offs = (bh * S + t0_64) * R * N + (row_t * R + row_r)[:, None] * N + offs_half[None, :]
-    _rotate_chunk_to_scratch(q_ptr + chunk_in, q_bias_ptr + h * R * N, q_rot_ptr + out_offs, row_t, row_r,
-                             row_valid, row_mask, token_stride, G * N, offs_half, half_mask, cos, sin, N)
-    _rotate_chunk_to_scratch(k_ptr + chunk_in, k_bias_ptr + h * R * N, k_rot_ptr + out_offs, row_t, row_r,
-                             row_valid, row_mask, token_stride, G * N, offs_half, half_mask, cos, sin, N)
-
-
-@triton.jit
-def _rotate_chunk_to_scratch(x_chunk_ptr, bias_head_ptr, out_ptrs, row_t, row_r, row_valid, row_mask,
-                             token_stride, rank_stride, offs_half, half_mask, cos, sin, N: tl.constexpr):
-    HALF: tl.constexpr = N // 2
-    bias_lo = load_rank_rows(bias_head_ptr, row_r, row_valid, offs_half, half_mask, N)
-    bias_hi = load_rank_rows(bias_head_ptr + HALF, row_r, row_valid, offs_half, half_mask, N)
-    x_lo, x_hi = load_rotated_rows(x_chunk_ptr, row_t, row_r, row_mask, token_stride, rank_stride,
-                                   offs_half, half_mask, bias_lo, bias_hi, cos, sin, HALF)
+    out_offs = (bh * S + t_abs)[:, None] * R * N + row_r[:, None] * N + offs_half[None, :]
     out_mask = row_mask[:, None] & half_mask[None, :]
-    tl.store(out_ptrs, x_lo, mask=out_mask)
-    tl.store(out_ptrs + HALF, x_hi, mask=out_mask)
+    q_lo, q_hi = load_rotated_rows(q_ptr + x_seq, q_bias_ptr + h * R * N, t_abs, row_r, row_mask, token_stride,
+                                   G * N, offs_half, half_mask, cos, sin, N, R, BLOCK_T, BLOCK_R, BLOCK_HALF,
+                                   tl.float32)
+    tl.store(q_rot_ptr + out_offs, q_lo, mask=out_mask)
+    tl.store(q_rot_ptr + out_offs + HALF, q_hi, mask=out_mask)
+    k_lo, k_hi = load_rotated_rows(k_ptr + x_seq, k_bias_ptr + h * R * N, t_abs, row_r, row_mask, token_stride,
+                                   G * N, offs_half, half_mask, cos, sin, N, R, BLOCK_T, BLOCK_R, BLOCK_HALF,
+                                   tl.float32)
+    tl.store(k_rot_ptr + out_offs, k_lo, mask=out_mask)
+    tl.store(k_rot_ptr + out_offs + HALF, k_hi, mask=out_mask)
 
 
 @triton.jit
@@ -114,10 +108,10 @@ def _serial_scan_kernel(
     p_mask = offs_p < P
     tok = tl.arange(0, BLOCK_T)
 
-    psi = load_rank_rows(psi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
-    phi = load_rank_rows(phi_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+    psi = load_rank_tile(psi_ptr + h * R * P, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
+    phi = load_rank_tile(phi_ptr + h * R * P, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
     if HAS_Z:
-        zeta = load_rank_rows(zeta_ptr + h * R * P, row_r, row_valid, offs_p, p_mask, P)
+        zeta = load_rank_tile(zeta_ptr + h * R * P, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
     if HAS_D:
         d_skip = tl.load(d_ptr + h).to(tl.float32)
 
@@ -149,7 +143,7 @@ def _serial_scan_kernel(
         weights = tl.where(earlier, tl.exp(segsum) * trap_scale[None, :],
                            tl.where((row_t[:, None] == row_t[None, :]) & both, gamma[:, None], 0.0))
 
-        v_rows = load_token_rows(v_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        v_rows = load_token_tile(v_ptr + hp_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
         psiv = v_rows * psi
         psiv_d = psiv.to(DOT_DTYPE)
         raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv_d, input_precision=DOT_PRECISION)
@@ -165,9 +159,9 @@ def _serial_scan_kernel(
         chunk_decay = tl.exp(tl.load(da_cs_ptr + disc_base + tl.minimum(t0 + C - 1, S - 1)))
         state = state * chunk_decay + tl.dot(tl.trans(k_w), psiv_d, input_precision=DOT_PRECISION)
 
-        dout_rows = load_token_rows(dout_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+        dout_rows = load_token_tile(dout_ptr + hp_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
         if HAS_Z:
-            z_rows = load_token_rows(z_ptr + hp_seq + t0_64 * H * P, row_t, row_mask, H * P, offs_p, p_mask)
+            z_rows = load_token_tile(z_ptr + hp_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
             dphi_inc, dzeta_inc, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
             dphi_acc += dphi_inc
             dzeta_acc += dzeta_inc

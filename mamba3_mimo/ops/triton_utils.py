@@ -98,18 +98,18 @@ def silu_and_grad(u):
 
 
 @triton.jit
-def load_chunk_cos_sin(angles_chunk_ptr, t0, S, token_stride, offs_half,
+def load_chunk_cos_sin(angles_seq_ptr, t0, S, token_stride, offs_half,
                        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        C: tl.constexpr, RD: tl.constexpr):
     """cos/sin of one chunk's rotation angles, broadcast to rows: two [BLOCK_ROWS, BLOCK_HALF].
 
-    ``angles_chunk_ptr`` points at angles[b, t0, h, 0]; columns n >= RD get
+    ``angles_seq_ptr`` points at angles[b, 0, h, 0]; columns n >= RD get
     angle 0 (cos 1, sin 0), which leaves those dimensions unrotated.  The
     transcendentals run once per token, not once per (token, rank).
     """
     tok = tl.arange(0, BLOCK_T)
     mask = ((tok < C) & (t0 + tok < S))[:, None] & (offs_half < RD)[None, :]
-    theta = tl.load(angles_chunk_ptr + tok[:, None] * token_stride + offs_half[None, :], mask=mask, other=0.0)
+    theta = tl.load(angles_seq_ptr + (t0 + tok)[:, None] * token_stride + offs_half[None, :], mask=mask, other=0.0)
     theta = theta.to(tl.float32)
     cos = broadcast_tokens_to_rows(tl.cos(theta), BLOCK_T, BLOCK_R, BLOCK_HALF)
     sin = broadcast_tokens_to_rows(tl.sin(theta), BLOCK_T, BLOCK_R, BLOCK_HALF)
@@ -117,50 +117,76 @@ def load_chunk_cos_sin(angles_chunk_ptr, t0, S, token_stride, offs_half,
 
 
 @triton.jit
-def load_rotated_rows(x_chunk_ptr, row_t, row_r, row_mask, token_stride, rank_stride,
-                      offs_half, half_mask, bias_lo, bias_hi, cos, sin, HALF: tl.constexpr):
-    """Biased, rotated q or k rows of one chunk as halves (x~[:, :N/2], x~[:, N/2:]), fp32.
+def broadcast_ranks_to_rows(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """[BLOCK_R, BLOCK_COLS] per-rank tile -> [BLOCK_T * BLOCK_R, BLOCK_COLS] per-row tile."""
+    x3 = tl.broadcast_to(x[None, :, :], (BLOCK_T, BLOCK_R, BLOCK_COLS))
+    return tl.reshape(x3, (BLOCK_T * BLOCK_R, BLOCK_COLS))
 
-    ``x_chunk_ptr`` points at x[b, t0, 0, g, 0] of a [B, S, R, G, N] tensor;
-    ``row_mask`` already excludes padding rows and positions past S.
+
+@triton.jit
+def load_rank_tile(param_head_ptr, offs_cols, col_mask, R: tl.constexpr, COLS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """A per-head [R, COLS] parameter (bias, Psi, Phi, Zeta) laid out per row: [BLOCK_ROWS, BLOCK_COLS] fp32.
+
+    It is read as a small [BLOCK_R, BLOCK_COLS] tile and broadcast over tokens,
+    so no [BLOCK_ROWS, BLOCK_COLS] address tile is kept alive across the scan.
     """
-    offs = row_t[:, None] * token_stride + row_r[:, None] * rank_stride + offs_half[None, :]
+    ranks = tl.arange(0, BLOCK_R)
+    mask = (ranks < R)[:, None] & col_mask[None, :]
+    tile = tl.load(param_head_ptr + ranks[:, None] * COLS + offs_cols[None, :], mask=mask, other=0.0)
+    return broadcast_ranks_to_rows(tile.to(tl.float32), BLOCK_T, BLOCK_R, BLOCK_COLS)
+
+
+@triton.jit
+def load_token_tile(x_seq_ptr, t0, S, tok, token_stride, offs_cols, col_mask, C: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """One chunk of a [B, S, H, P] activation laid out per row: [BLOCK_ROWS, BLOCK_COLS] fp32.
+
+    ``x_seq_ptr`` points at x[b, 0, h, 0]; the chunk is read once per token and
+    broadcast over ranks.  Positions past S read as zeros (virtual padding).
+    """
+    mask = ((tok < C) & (t0 + tok < S))[:, None] & col_mask[None, :]
+    offs = (t0 + tok)[:, None] * token_stride + offs_cols[None, :]
+    tile = tl.load(x_seq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return broadcast_tokens_to_rows(tile, BLOCK_T, BLOCK_R, BLOCK_COLS)
+
+
+@triton.jit
+def load_rotated_rows(x_seq_ptr, bias_head_ptr, t_abs, row_r, row_mask, token_stride, rank_stride,
+                      offs_half, half_mask, cos, sin, N: tl.constexpr, R: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr):
+    """Biased, rotated q or k rows of one chunk as halves (x~[:, :N/2], x~[:, N/2:]) in DOT_DTYPE.
+
+    ``x_seq_ptr`` points at x[b, 0, 0, g, 0] of a [B, S, R, G, N] tensor and
+    ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N]; ``row_mask`` already
+    excludes padding rows and positions past S.  Offsets are built from the
+    absolute positions ``t_abs`` inside the chunk loop, so the compiler does not
+    hoist [BLOCK_ROWS, BLOCK_HALF] address tiles out of it (they would live in
+    registers for the whole scan).
+    """
+    HALF: tl.constexpr = N // 2
+    offs = t_abs[:, None] * token_stride + row_r[:, None] * rank_stride + offs_half[None, :]
     mask = row_mask[:, None] & half_mask[None, :]
-    x_lo = tl.load(x_chunk_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias_lo
-    x_hi = tl.load(x_chunk_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32) + bias_hi
-    return rotate_half(x_lo, x_hi, cos, sin)
+    x_lo = tl.load(x_seq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x_lo += load_rank_tile(bias_head_ptr, offs_half, half_mask, R, N, BLOCK_T, BLOCK_R, BLOCK_HALF)
+    x_hi += load_rank_tile(bias_head_ptr + HALF, offs_half, half_mask, R, N, BLOCK_T, BLOCK_R, BLOCK_HALF)
+    x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
+    return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
 
 
 @triton.jit
-def load_rank_rows(param_ptr, row_r, row_rank_mask, offs_cols, col_mask, COLS: tl.constexpr):
-    """Rows of a per-head [R, COLS] parameter, indexed by each row's rank: [BLOCK_ROWS, BLOCK_COLS] fp32."""
-    mask = row_rank_mask[:, None] & col_mask[None, :]
-    return tl.load(param_ptr + row_r[:, None] * COLS + offs_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def load_token_rows(x_chunk_ptr, row_t, row_mask, token_stride, offs_cols, col_mask):
-    """Rows of a [B, S, H, P] activation, indexed by each row's token: [BLOCK_ROWS, BLOCK_COLS] fp32.
-
-    ``x_chunk_ptr`` points at x[b, t0, h, 0]; ranks of one token read the same
-    values (served from L1).
-    """
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = row_t[:, None] * token_stride + offs_cols[None, :]
-    return tl.load(x_chunk_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def state_increment(k_lo, k_hi, k_weight, psiv_dot, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One chunk's state increment, as halves: (k~ * k_weight)^T @ psiv, two [BLOCK_HALF, BLOCK_P] fp32.
+def state_increment(k_lo, k_hi, psiv, k_weight, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One chunk's state increment, as halves: k~^T @ (k_weight * psiv), two [BLOCK_HALF, BLOCK_P] fp32.
 
     ``k_weight[row] = exp(da_cs_rev[t]) * trap_scale[t]`` decays every token to
-    the chunk end; it is zero on padding rows.
+    the chunk end; it is zero on padding rows.  It scales the psiv rows rather
+    than k~, so k~ is needed in one form only.
     """
-    k_lo_w = (k_lo * k_weight[:, None]).to(DOT_DTYPE)
-    k_hi_w = (k_hi * k_weight[:, None]).to(DOT_DTYPE)
-    inc_lo = tl.dot(tl.trans(k_lo_w), psiv_dot, input_precision=DOT_PRECISION)
-    inc_hi = tl.dot(tl.trans(k_hi_w), psiv_dot, input_precision=DOT_PRECISION)
+    psiv_w = (psiv * k_weight[:, None]).to(DOT_DTYPE)
+    inc_lo = tl.dot(tl.trans(k_lo), psiv_w, input_precision=DOT_PRECISION)
+    inc_hi = tl.dot(tl.trans(k_hi), psiv_w, input_precision=DOT_PRECISION)
     return inc_lo, inc_hi
 
 
