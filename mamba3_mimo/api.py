@@ -23,6 +23,7 @@ OUTPUT_DTYPES = ACTIVATION_DTYPES
 # Rows of the folded (token, rank) chunk tile; the score tile is ROWS x ROWS.
 MAX_CHUNK_ROWS = 256
 MAX_N = 512
+_POISON_OUTPUTS = False  # test hook: NaN-fill the outputs before the launch so unwritten elements fail
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,10 @@ def bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_
         dmimo_z=torch.empty((B, H, R, P), **out) if prob.has_z else None,
         dz=torch.empty((B, S, H, P), **out) if prob.has_z else None,
     )
+    if _POISON_OUTPUTS:
+        for x in outputs.values():
+            if x is not None:
+                x.fill_(float("nan"))
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
         if impl == "production":
             production_bwd_fwd(**tensors, **outputs, chunk_size=chunk_size, dot_dtype=dot_dtype,

@@ -1,0 +1,76 @@
+"""Shared test setup: device choice, output poisoning and the kernel-vs-reference check.
+
+Without CUDA the kernels run in the Triton interpreter, which must be switched on before
+anything imports triton; pytest imports this file first, so it is done here at import time.
+"""
+
+import itertools
+import os
+import zlib
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import mamba3_mimo.api as api  # noqa: E402
+from mamba3_mimo.accuracy import assert_outputs_close  # noqa: E402
+from mamba3_mimo.inputs import make_inputs  # noqa: E402
+from mamba3_mimo.reference import bwd_fwd_reference  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (the CPU runs use the interpreter)")
+
+
+@pytest.fixture(scope="session")
+def device():
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """NaN-fill every output the API allocates, so an element no kernel writes fails the check."""
+    monkeypatch.setattr(api, "_POISON_OUTPUTS", True)
+
+
+def to_device(inputs, device):
+    """The keyword arguments of ``make_inputs`` with every tensor moved to ``device``."""
+    return {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in inputs.items()}
+
+
+def seed_for(*parts):
+    """A deterministic seed that differs between tests (and between calls of one test)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def run_and_check(impl, *, device, seed, dtype=torch.float32, output_dtype=torch.float32, config=None,
+                  ref_device="cpu", transform=None, **input_kwargs):
+    """Run ``impl`` on fresh inputs and assert the accuracy contract of SPEC section 7.
+
+    The golden is the float64 reference, the bench the reference in the activation dtype, both
+    computed on ``ref_device`` ("cpu", or "kernel" for the kernel's device: for big problems).
+    ``transform`` (inputs dict -> inputs dict) alters the inputs that all three see.
+    Returns the list of ``OutputCheck``.
+    """
+    inputs = make_inputs(device=device, seed=seed, dtype=dtype, **input_kwargs)
+    if transform is not None:
+        inputs = transform(inputs)
+    candidate = api.bwd_fwd(**inputs, output_dtype=output_dtype, impl=impl, config=config)
+    ref_inputs = to_device(inputs, device if ref_device == "kernel" else ref_device)
+    golden = bwd_fwd_reference(**ref_inputs, compute_dtype=torch.float64)
+    bench = bwd_fwd_reference(**ref_inputs, compute_dtype=dtype)
+    return assert_outputs_close(candidate, golden, bench, dtype, output_dtype)
+
+
+@pytest.fixture
+def check_kernel(request, device, poison_outputs):
+    """``run_and_check`` on the test's device with poisoned outputs and a fresh seed per call."""
+    calls = itertools.count()
+
+    def check(impl, **kwargs):
+        kwargs.setdefault("seed", seed_for(request.node.nodeid, next(calls)))
+        return run_and_check(impl, device=device, **kwargs)
+
+    return check

@@ -1,0 +1,246 @@
+"""Both Triton implementations against the float64 reference (SPEC sections 4, 7 and 8).
+
+The small cases run on the test device: the GPU where there is one, else the CPU through the
+Triton interpreter. The ``gpu`` cases (SPEC section 8 grids) need CUDA and are skipped without it.
+Every run poisons the outputs first (see ``check_kernel`` in conftest.py).
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import mamba3_mimo.api as api
+from conftest import requires_cuda, seed_for
+from mamba3_mimo.inputs import make_inputs
+from mamba3_mimo.ops.production import ScanConfig
+
+IMPLS = ("production", "stage0")
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+DTYPE_NAMES = {F16: "fp16", BF16: "bf16", F32: "fp32"}
+
+
+def covering_array(factors, cost=lambda row: 0):
+    """Rows (dicts) in which every pair of values of every two factors occurs at least once.
+
+    Greedy and deterministic: each step takes the candidate of the full product that covers the
+    most uncovered pairs, the cheapest of those.
+    """
+    names = list(factors)
+
+    def pairs(row):
+        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+
+    candidates = [dict(zip(names, values)) for values in itertools.product(*factors.values())]
+    uncovered = set().union(*(pairs(row) for row in candidates))
+    rows = []
+    while uncovered:
+        best = max(candidates, key=lambda row: (len(pairs(row) & uncovered), -cost(row)))
+        rows.append(best)
+        uncovered -= pairs(best)
+    return rows
+
+
+def group_count(symbol, H):
+    return {"1": 1, "H/2": max(1, H // 2), "H": H}[symbol]
+
+
+def row_id(row):
+    return "-".join(f"{k}{DTYPE_NAMES.get(v, v)}" for k, v in row.items())
+
+
+# --- small cases, any device ----------------------------------------------------------------------
+
+SMALL_FACTORS = dict(dtype=(F16, BF16, F32), out=(F32, BF16, F16), Z=(True, False), D=(True, False),
+                     G=("1", "H"), B=(1, 2), S=(32, 64), H=(2, 4))
+# The interpreter's time grows with B * S * H: prefer the small ones among equally good rows.
+SMALL_ROWS = covering_array(SMALL_FACTORS, cost=lambda r: r["B"] * r["S"] * r["H"])
+
+
+def test_covering_arrays_cover_every_pair():
+    for factors, rows in ((SMALL_FACTORS, SMALL_ROWS), (GPU_FACTORS, GPU_ROWS)):
+        for a, b in itertools.combinations(factors, 2):
+            seen = {(row[a], row[b]) for row in rows}
+            assert seen == set(itertools.product(factors[a], factors[b])), (a, b)
+    assert len(SMALL_ROWS) <= 12 and len(GPU_ROWS) <= 12
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("index,row", list(enumerate(SMALL_ROWS)), ids=[row_id(r) for r in SMALL_ROWS])
+def test_pairwise_small(check_kernel, impl, index, row):
+    # N and P, outside the covering array, take both of 16 and 32 in turn.
+    N, P = (16, 32)[index % 2], (16, 32)[index // 2 % 2]
+    check_kernel(impl, B=row["B"], S=row["S"], H=row["H"], G=group_count(row["G"], row["H"]), N=N, P=P, R=2,
+                 chunk_size=16, dtype=row["dtype"], z=row["Z"], d=row["D"], output_dtype=row["out"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("S,C", [(33, 16), (40, 16), (33, 32), (40, 32)])
+def test_tail(check_kernel, impl, S, C):
+    check_kernel(impl, B=1, S=S, H=2, G=1, N=16, P=16, R=2, chunk_size=C, dtype=F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+def test_rank(check_kernel, impl, R):
+    check_kernel(impl, B=1, S=32, H=2, G=2, N=16, P=16, R=R, chunk_size=16, dtype=F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("divisor", [2, 4])
+def test_rotary_dim_divisor(check_kernel, impl, divisor):
+    check_kernel(impl, B=1, S=32, H=2, N=32, P=16, R=2, chunk_size=16, dtype=F32, rotary_dim_divisor=divisor)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("N,P", [(48, 16), (16, 48)])
+def test_non_power_of_two_dims(check_kernel, impl, N, P):
+    check_kernel(impl, B=1, S=32, H=2, N=N, P=P, R=2, chunk_size=16, dtype=F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("C", [8, 12])
+def test_non_power_of_two_chunk(check_kernel, impl, C):
+    check_kernel(impl, B=1, S=40, H=2, N=16, P=16, R=2, chunk_size=C, dtype=F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("S", [1, 10])
+def test_sequence_shorter_than_chunk(check_kernel, impl, S):
+    check_kernel(impl, B=1, S=S, H=2, N=16, P=16, R=2, chunk_size=16, dtype=F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_half_output_of_fp32_inputs(check_kernel, impl):
+    check_kernel(impl, B=1, S=40, H=2, N=16, P=16, R=2, chunk_size=16, dtype=F32, output_dtype=BF16)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_parameters_in_other_float_dtypes(check_kernel, impl):
+    """Parameters and discretization tensors of any float dtype are upcast (SPEC section 2)."""
+    def recast(inputs):
+        out = dict(inputs)
+        for name, dtype in dict(q_bias=torch.float64, mimo_v=BF16, mimo_z=F16, d=torch.float64,
+                                da_cs=torch.float64, dt=torch.float64, angles=torch.float64).items():
+            out[name] = inputs[name].to(dtype)
+        return out
+
+    check_kernel(impl, B=1, S=32, H=2, N=16, P=16, R=2, chunk_size=16, dtype=F32, transform=recast)
+
+
+# n_segments 2 and 3 do not divide the 5 chunks; 8 is more segments than chunks.
+@pytest.mark.parametrize("n_segments", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("block_p", [16, 32])
+def test_production_configs(check_kernel, n_segments, block_p):
+    """Every explicit config is exact: segments over the sequence, P split into tiles (48 = 3 x 16)."""
+    check_kernel("production", B=1, S=70, H=2, N=16, P=48, R=2, chunk_size=16, dtype=F32,
+                 config=ScanConfig(block_p=block_p, n_segments=n_segments))
+
+
+def pad_to_whole_chunks(inputs):
+    """The host padding of SPEC section 4: S -> nch * C."""
+    C = inputs["chunk_size"]
+    B, S = inputs["q"].shape[:2]
+    nch = -(-S // C)
+    pad = nch * C - S
+    out = dict(inputs)
+
+    def zeros_after(x, dim):
+        shape = list(x.shape)
+        shape[dim] = pad
+        return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+    for name in ("q", "k", "v", "dout", "angles", "z"):
+        out[name] = zeros_after(inputs[name], 1)
+    for name in ("dt", "trap"):
+        out[name] = zeros_after(inputs[name], 2)
+    da_cs = inputs["da_cs"]
+    da_cs = torch.cat([da_cs, da_cs[..., -1:].expand(*da_cs.shape[:2], pad)], dim=2)
+    last = da_cs[..., (nch - 1) * C:]  # the last chunk, now whole
+    out["da_cs"] = da_cs
+    out["da_cs_rev"] = torch.cat([inputs["da_cs_rev"][..., :(nch - 1) * C], last[..., -1:] - last], dim=2)
+    earlier = torch.ones(C, C, dtype=torch.bool, device=da_cs.device).tril(-1)
+    segsum = inputs["segsum"].clone()
+    segsum[:, :, -1] = torch.where(earlier, last[..., :, None] - last[..., None, :], 0.0)
+    out["segsum"] = segsum
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tail_equals_explicit_padding(device, poison_outputs, impl):
+    """Virtual padding in the kernels = padding on the host: valid outputs and states agree."""
+    inputs = make_inputs(B=2, S=33, H=2, N=16, P=16, R=2, chunk_size=16, dtype=F32, device=device,
+                         seed=seed_for("padding", impl))
+    padded = pad_to_whole_chunks(inputs)
+    assert padded["q"].shape[1] == 48 and padded["segsum"].shape == inputs["segsum"].shape
+    got = api.bwd_fwd(**inputs, impl=impl)
+    want = api.bwd_fwd(**padded, impl=impl)
+    states, qk_dot, dmimo_o, dmimo_z, dz = want
+    want = (states, qk_dot[:, :, :33], dmimo_o, dmimo_z, dz[:, :33])
+    for name, x, y in zip(("states", "qk_dot", "dmimo_o", "dmimo_z", "dz"), got, want):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# --- SPEC section 8 grids, GPU only ---------------------------------------------------------------
+
+GPU_FACTORS = dict(B=(1, 2), S=(32, 64), H=(2, 4), dtype=(F16, BF16, F32), Z=(True, False), D=(True, False),
+                   G=("1", "H/2", "H"))
+GPU_ROWS = covering_array(GPU_FACTORS)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("row", GPU_ROWS, ids=row_id)
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_pairwise(check_kernel, impl, row):
+    check_kernel(impl, B=row["B"], S=row["S"], H=row["H"], G=group_count(row["G"], row["H"]), N=64, P=64, R=4,
+                 chunk_size=16, dtype=row["dtype"], z=row["Z"], d=row["D"], output_dtype=row["dtype"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("C", [16, 32])
+@pytest.mark.parametrize("S", [33, 40, 48, 50])
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tail(check_kernel, impl, S, C):
+    check_kernel(impl, B=2, S=S, H=4, G=2, N=64, P=64, R=2, chunk_size=C, dtype=BF16, output_dtype=F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 6, 8])
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_rank(check_kernel, impl, R):
+    check_kernel(impl, B=2, S=64, H=4, G=1, N=64, P=64, R=R, chunk_size=16, dtype=F32)
+
+
+OFFICIAL_SHAPES = ("N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16", "N128_P64_R4_C16", "N256_P64_R4_C8",
+                   "N64_P128_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P64_R8_C8", "N128_P64_R2_C32",
+                   "N128_P64_R1_C64")
+QUICK_SHAPES = ("N16_P64_R4_C8", "N256_P64_R4_C8", "N64_P128_R4_C16", "N128_P64_R2_C32", "N128_P64_R1_C64")
+GRID_SHAPES = OFFICIAL_SHAPES if os.environ.get("MAMBA3_MIMO_FULL_GRID") == "1" else QUICK_SHAPES
+
+
+def parse_shape(shape):
+    """"N128_P64_R4_C16" -> dict(N=128, P=64, R=4, chunk_size=16)."""
+    sizes = {part[0]: int(part[1:]) for part in shape.split("_")}
+    return dict(N=sizes["N"], P=sizes["P"], R=sizes["R"], chunk_size=sizes["C"])
+
+
+def test_quick_grid_is_a_cover():
+    assert set(QUICK_SHAPES) <= set(OFFICIAL_SHAPES) and len(QUICK_SHAPES) == 5
+    quick = [parse_shape(s) for s in QUICK_SHAPES]
+    assert {s["R"] for s in quick} == {1, 2, 4}
+    assert min(s["N"] for s in quick) == 16 and max(s["N"] for s in quick) == 256
+    assert {s["P"] for s in quick} == {64, 128}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", GRID_SHAPES)
+@pytest.mark.gpu
+@requires_cuda
+def test_official_grid(check_kernel, impl, shape):
+    # The float64 reference of this size is slow on the CPU: it runs on the GPU as well.
+    check_kernel(impl, B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
+                 ref_device="kernel", **parse_shape(shape))
