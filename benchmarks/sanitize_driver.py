@@ -1,0 +1,73 @@
+"""Tiny calls of every bwd_fwd kernel, for compute-sanitizer (run by benchmarks/sanitize.sh).
+
+Covers both implementations, the gate on and off, a partial last chunk (S % C != 0), several P
+tiles (one partial) and several sequence segments (production with an explicit ScanConfig), a rank
+that is not a power of two, grouped q/k heads, and fp32 / bf16 activations (different dot dtypes,
+so different compiled kernels).  Each call is checked against the other implementation, so a run
+that silently computes nothing fails too.
+
+    python benchmarks/sanitize_driver.py [--list]
+"""
+
+import sys
+
+import torch
+
+from mamba3_mimo.api import bwd_fwd
+from mamba3_mimo.inputs import make_inputs
+from mamba3_mimo.ops.production import ScanConfig
+
+NAMES = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
+F32, BF16 = torch.float32, torch.bfloat16
+SEGMENTS = ScanConfig(block_p=16, n_segments=3)  # P = 40: tiles of 16, 16 and 8; 5 chunks in 3 segments
+
+# (name, impl, config, make_inputs keywords)
+CASES = [
+    ("production-default-z", "production", None,
+     dict(B=1, S=40, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=F32, z=True, d=True)),
+    ("production-default-noz", "production", None,
+     dict(B=1, S=40, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=BF16, z=False, d=False)),
+    ("production-segments-z", "production", SEGMENTS,
+     dict(B=2, S=70, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
+    ("production-segments-noz", "production", SEGMENTS,
+     dict(B=1, S=70, H=2, G=1, N=32, P=40, R=2, chunk_size=16, dtype=BF16, z=False, d=True)),
+    ("stage0-z", "stage0", None,
+     dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
+    ("stage0-noz", "stage0", None,
+     dict(B=1, S=40, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=BF16, z=False, d=False)),
+]
+OTHER = {"production": "stage0", "stage0": "production"}
+
+
+def main(argv):
+    if "--list" in argv:
+        for name, impl, config, shape in CASES:
+            print(name, impl, config, shape)
+        return 0
+    if not torch.cuda.is_available():
+        print("sanitize_driver: needs a CUDA device", file=sys.stderr)
+        return 2
+    failed = 0
+    for i, (name, impl, config, shape) in enumerate(CASES):
+        inputs = make_inputs(**shape, device="cuda", seed=1000 + i)
+        out = bwd_fwd(**inputs, impl=impl, config=config)
+        other = bwd_fwd(**inputs, impl=OTHER[impl])
+        torch.cuda.synchronize()
+        tol = 1e-4 if shape["dtype"] == F32 else 3e-2
+        bad = []
+        for out_name, x, y in zip(NAMES, out, other):
+            if (x is None) != (y is None):
+                bad.append(f"{out_name}: None mismatch")
+            elif x is not None:
+                scale = y.abs().max().item() or 1.0
+                err = (x - y).abs().max().item() / scale
+                if not err <= tol:
+                    bad.append(f"{out_name}: max rel diff {err:.2e}")
+        failed += bool(bad)
+        print(f"{name:26s} {'ok' if not bad else 'MISMATCH ' + '; '.join(bad)}", flush=True)
+    print(f"sanitize_driver: {len(CASES) - failed}/{len(CASES)} cases agree between implementations")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
