@@ -5,7 +5,6 @@ caller tensor is modified (normalization makes copies only where a tensor is
 not already contiguous or not in the dtype the kernels read).
 """
 
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -43,7 +42,17 @@ class Problem:
 
 
 def interpreter_enabled():
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether this process's kernels run in the Triton interpreter.
+
+    Triton decides at import time (TRITON_INTERPRET set before triton is
+    imported); reading the variable now would miss a late change, so ask the
+    kernel object itself.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .ops.chunk_scan import _chunk_scan_kernel
+
+    return isinstance(_chunk_scan_kernel, InterpretedFunction)
 
 
 def _check_shape(name, tensor, expected):
@@ -106,6 +115,13 @@ def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs
         raise ValueError(f"chunk_size * next_pow2(R) = {chunk_size} * {triton.next_power_of_2(R)} = {rows} "
                          f"exceeds {MAX_CHUNK_ROWS}: use a smaller chunk_size")
     nch = triton.cdiv(S, chunk_size)
+    # Offsets inside one batch element are int32 in the kernels (int64 per-element index tiles
+    # would double their registers); the batch/head bases are int64.
+    per_batch = dict(q=S * R * G * N, v=S * H * P, angles=S * H * RD, states=H * nch * N * P, qk_dot=H * S * R * R)
+    for name, elements in per_batch.items():
+        if elements >= 2 ** 31:
+            raise ValueError(f"{name}: one batch element spans {elements} elements, more than the 2^31 - 1 "
+                             "that the kernels index with int32; split the sequence")
 
     seq_hp = (B, S, H, P)
     disc = (B, H, S)
@@ -161,6 +177,16 @@ def dot_operands(activation_dtypes, device):
     return tl.float16, "ieee"
 
 
+def kernel_output_dtype(output_dtype, device):
+    """dtype the kernels write: the output dtype, except bf16 on the CPU.
+
+    The Triton 3.6 interpreter truncates fp32 -> bf16 instead of rounding to
+    nearest, so on the CPU path bf16 outputs are written in fp32 and rounded by
+    torch.  No effect on the GPU path.
+    """
+    return torch.float32 if output_dtype == torch.bfloat16 and device.type == "cpu" else output_dtype
+
+
 def _contiguous(x, dtype=None):
     if x is None:
         return None
@@ -188,7 +214,8 @@ def bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_
         d=_contiguous(d, f32), da_cs=_contiguous(da_cs, f32), da_cs_rev=_contiguous(da_cs_rev, f32),
         dt=_contiguous(dt, f32), trap=_contiguous(trap),
     )
-    out = dict(device=q.device, dtype=output_dtype)
+    kernel_dtype = kernel_output_dtype(output_dtype, q.device)
+    out = dict(device=q.device, dtype=kernel_dtype)
     outputs = dict(
         states=torch.empty((B, H, nch, N, P), **out),
         qk_dot=torch.empty((B, H, S, R, R), **out),
@@ -207,7 +234,10 @@ def bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_
         else:
             stage0_bwd_fwd(**tensors, **outputs, segsum=_contiguous(segsum, f32), chunk_size=chunk_size,
                            dot_dtype=dot_dtype, dot_precision=dot_precision)
-    return outputs["states"], outputs["qk_dot"], outputs["dmimo_o"], outputs["dmimo_z"], outputs["dz"]
+    results = tuple(outputs[name] for name in ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz"))
+    if kernel_dtype != output_dtype:
+        results = tuple(None if x is None else x.to(output_dtype) for x in results)
+    return results
 
 
 def mamba3_mimo_bwd_fwd_kernel(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt,

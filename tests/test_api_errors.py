@@ -274,3 +274,33 @@ def test_outputs_are_fresh_and_typed(device_inputs, poison_outputs):
         assert tuple(out.shape) == shape and out.dtype == torch.float16 and out.is_contiguous()
     no_gate = mamba3_mimo_bwd_fwd_kernel(**dict(device_inputs, z=None, mimo_z=None))
     assert no_gate[3] is None and no_gate[4] is None and no_gate[0].dtype == torch.float32
+
+
+# --- limits of the kernels ------------------------------------------------------------------------
+
+def test_batch_element_beyond_int32_is_refused(no_launch, entry):
+    """One batch element of more than 2^31 elements would overflow the kernels' int32 offsets."""
+    B, S, H, G, N, P, R, C = 1, 1 << 21, 8, 1, 16, 1024, 1, 64  # v: S*H*P = 2^34 elements
+    nch = S // C
+
+    def big(*shape):  # a stride-0 view: no memory behind the shape
+        return torch.zeros(1).expand(*shape)
+
+    inputs = dict(dout=big(B, S, H, P), q=big(B, S, R, G, N), k=big(B, S, R, G, N), v=big(B, S, H, P),
+                  q_bias=big(H, R, N), k_bias=big(H, R, N), mimo_v=big(H, R, P), mimo_o=big(H, R, P),
+                  angles=big(B, S, H, N // 4), da_cs=big(B, H, S), da_cs_rev=big(B, H, S), dt=big(B, H, S),
+                  trap=big(B, H, S), segsum=big(B, H, nch, C, C), chunk_size=C)
+    with pytest.raises(ValueError, match=r"^v: one batch element spans \d+ elements"):
+        entry(**inputs)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_p=24, n_segments=1), "block_p"), (dict(block_p=8, n_segments=1), "block_p"),
+    (dict(block_p=32, n_segments=0), "n_segments"), (dict(block_p=32, n_segments=2, num_warps=3), "num_warps"),
+    (dict(block_p=32, n_segments=2, num_stages=0), "num_stages"),
+])
+def test_bad_scan_config_is_refused(fields, match):
+    from mamba3_mimo.ops.production import ScanConfig
+
+    with pytest.raises(ValueError, match=rf"ScanConfig\.{match}"):
+        ScanConfig(**fields)

@@ -69,8 +69,10 @@ def test_covering_arrays_cover_every_pair():
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("index,row", list(enumerate(SMALL_ROWS)), ids=[row_id(r) for r in SMALL_ROWS])
 def test_pairwise_small(check_kernel, impl, index, row):
-    # N and P, outside the covering array, take both of 16 and 32 in turn.
-    N, P = (16, 32)[index % 2], (16, 32)[index // 2 % 2]
+    # N and P, outside the covering array, take their two levels in turn.  P stays >= 32: the
+    # dual benchmark averages over the B*H*R*P entries of dmimo_o, and with ~100 entries one
+    # near-zero entry decides MERE/MARE by luck (seen: fp32, B1 H4 P16, bench exact on it).
+    N, P = (16, 32)[index % 2], (32, 48)[index // 2 % 2]
     check_kernel(impl, B=row["B"], S=row["S"], H=row["H"], G=group_count(row["G"], row["H"]), N=N, P=P, R=2,
                  chunk_size=16, dtype=row["dtype"], z=row["Z"], d=row["D"], output_dtype=row["out"])
 

@@ -22,10 +22,22 @@ MIN_CHUNKS_PER_SEGMENT = 8
 
 @dataclass(frozen=True)
 class ScanConfig:
+    """Launch shape of the production scan: P tile, sequence segments, warps, pipeline stages."""
+
     block_p: int
     n_segments: int
     num_warps: int = 4
     num_stages: int = 1
+
+    def __post_init__(self):
+        if self.block_p < 16 or self.block_p & (self.block_p - 1):
+            raise ValueError(f"ScanConfig.block_p must be a power of two >= 16 (tl.dot), got {self.block_p}")
+        if self.n_segments < 1:
+            raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ScanConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"ScanConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
 def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):

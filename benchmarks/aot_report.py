@@ -1,0 +1,147 @@
+"""Compile the bwd_fwd kernels for sm_90 on a machine without a GPU and report their resources.
+
+    python benchmarks/aot_report.py                       # official grid, production + stage0
+    python benchmarks/aot_report.py --cases N128_P64_R4_C16 --config 64,4,8
+
+Each launch the host wrappers would make is captured (uninitialized CPU
+tensors, nothing runs), specialized the way Triton's launcher would, compiled
+for an H100/H200 target, and its cubin read with the cuobjdump that ships in
+Triton's wheel: registers, stack (spilled bytes per thread), shared memory.
+This costs no device time; spills and shared memory over 99 KB show here first.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mamba3_mimo import api  # noqa: E402
+from mamba3_mimo.bench import OFFICIAL_CASES, parse_case  # noqa: E402
+from mamba3_mimo.ops import chunk_scan, chunk_state, stage0  # noqa: E402
+from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+KERNELS = {"segment_end_state": chunk_state._segment_end_state_kernel, "chunk_scan": chunk_scan._chunk_scan_kernel,
+           "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
+           "serial_scan": stage0._serial_scan_kernel}
+
+
+def capture_launches(run_impl):
+    """Run ``run_impl`` with every kernel launch replaced by a recorder; return [(name, args, kwargs)]."""
+    launches = []
+    saved = {}
+    for name, fn in KERNELS.items():
+        saved[name] = fn.run
+
+        def record(*args, grid, warmup, _name=name, **kwargs):
+            launches.append((_name, args, kwargs))
+
+        fn.run = record
+    try:
+        run_impl()
+    finally:
+        for name, fn in KERNELS.items():
+            fn.run = saved[name]
+    return launches
+
+
+def compile_launch(name, args, kwargs):
+    """Specialize and compile one captured launch for sm_90 (as JITFunction.run would)."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = KERNELS[name]
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGET, options=options.__dict__)
+
+
+def resources(kernel):
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return dict(regs=int(found.get("REG", 0)), stack=int(found.get("STACK", 0)), shared=kernel.metadata.shared)
+
+
+def empty_inputs(B, S, H, G, N, P, R, chunk_size, dtype, z=True, d=True):
+    """Uninitialized CPU inputs of the right shapes and dtypes (pages are never touched)."""
+    meta = dict(device="cpu")
+    nch = triton.cdiv(S, chunk_size)
+    act = dict(dtype=dtype, **meta)
+    f32 = dict(dtype=torch.float32, **meta)
+    return dict(
+        dout=torch.empty(B, S, H, P, **act), q=torch.empty(B, S, R, G, N, **act),
+        k=torch.empty(B, S, R, G, N, **act), v=torch.empty(B, S, H, P, **act),
+        q_bias=torch.empty(H, R, N, **f32), k_bias=torch.empty(H, R, N, **f32),
+        mimo_v=torch.empty(H, R, P, **f32), mimo_o=torch.empty(H, R, P, **f32),
+        angles=torch.empty(B, S, H, N // 4, **f32), da_cs=torch.empty(B, H, S, **f32),
+        da_cs_rev=torch.empty(B, H, S, **f32), dt=torch.empty(B, H, S, **f32), trap=torch.empty(B, H, S, **act),
+        segsum=torch.empty(B, H, nch, chunk_size, chunk_size, **f32),
+        mimo_z=torch.empty(H, R, P, **f32) if z else None, d=torch.empty(H, **f32) if d else None,
+        z=torch.empty(B, S, H, P, **act) if z else None, chunk_size=chunk_size)
+
+
+def report_case(case, impls, config, B, S, H, G, dtype, z):
+    shape = parse_case(case)
+    inputs = empty_inputs(B=B, S=S, H=H, G=G, dtype=dtype, z=z, **shape)
+    if config is None:  # the dispatcher's choice for an H200, not for the CPU this runs on
+        config = choose_config(B=B, H=H, S=S, num_sms=132, **shape)
+    rows = []
+    for impl in impls:
+        launches = capture_launches(lambda: api.bwd_fwd(**inputs, output_dtype=dtype, impl=impl, config=config))
+        for name, args, kwargs in launches:
+            kernel = compile_launch(name, args, kwargs)
+            res = resources(kernel)
+            consts = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("num_warps",)}
+            rows.append((case, impl, name, res, consts))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(OFFICIAL_CASES))
+    parser.add_argument("--impl", default="production,stage0")
+    parser.add_argument("--config", help="block_p,n_segments,num_warps for production (default: dispatcher)")
+    parser.add_argument("--no-z", action="store_true")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    args = parser.parse_args(argv)
+    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
+    config = None
+    if args.config:
+        block_p, n_segments, num_warps = (int(x) for x in args.config.split(","))
+        config = ScanConfig(block_p=block_p, n_segments=n_segments, num_warps=num_warps)
+    # CPU tensors pass validation only in interpreter mode; nothing is launched here, so say so,
+    # and make the CPU tensors compile as CUDA ones would (bf16 products, bf16 outputs).
+    api.interpreter_enabled = lambda: True
+    cuda = torch.device("cuda")
+    dot_operands, kernel_output_dtype = api.dot_operands, api.kernel_output_dtype
+    api.dot_operands = lambda dtypes, device: dot_operands(dtypes, cuda)
+    api.kernel_output_dtype = lambda dtype, device: kernel_output_dtype(dtype, cuda)
+    print(f"{'case':<17} {'impl':<10} {'kernel':<18} {'regs':>4} {'stack B':>7} {'smem KB':>7}  blocks")
+    worst_smem = 0
+    for case in args.cases:
+        for row in report_case(case, args.impl.split(","), config, 4, 2048, 16, 1, dtype, not args.no_z):
+            case_name, impl, name, res, consts = row
+            worst_smem = max(worst_smem, res["shared"])
+            print(f"{case_name:<17} {impl:<10} {name:<18} {res['regs']:>4} {res['stack']:>7} "
+                  f"{res['shared'] / 1024:>7.1f}  {consts}", flush=True)
+    print(f"largest shared memory: {worst_smem} bytes ({'within' if worst_smem <= 101376 else 'OVER'} 99 KB)")
+
+
+if __name__ == "__main__":
+    main()
