@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the accuracy suite and the benchmark, results under $OUT (or ./gpu_out).
-# usage: bash benchmarks/run_gpu.sh [smoke|sweep|full]
+# usage: bash benchmarks/run_gpu.sh [triage|smoke|sweep|full]
+# Every step has its own time limit so that one slow step cannot eat the device budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -11,6 +12,14 @@ status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 case "$mode" in
+  triage)
+    # Helpers alone first (a compiler fault shows here), then composed kernels, then the sanitizer.
+    timeout 150 python3 -m pytest -q -p no:warnings tests/test_triton_utils.py 2>&1 | tee "$OUT/helpers.log" || status=1
+    timeout 150 python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
+    timeout 200 python3 -m mamba3_mimo.cases --device cuda --impl all --size gpu --json "$OUT/cases.json" 2>&1 \
+      | tail -n 30 | tee "$OUT/cases.log" || status=1
+    timeout 120 bash benchmarks/sanitize.sh 2>&1 | tail -n 20 | tee "$OUT/sanitize.log" || status=1
+    ;;
   smoke)
     python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
     ;;
@@ -20,7 +29,7 @@ case "$mode" in
       --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" || status=1
     ;;
   full)
-    python3 -m pytest -q -x tests 2>&1 | tee "$OUT/tests.log" || status=1
+    timeout 400 python3 -m pytest -q -p no:warnings tests 2>&1 | tee "$OUT/tests.log" || status=1
     python3 -m mamba3_mimo.cases --device cuda --impl all --size all --json "$OUT/cases.json" 2>&1 \
       | tail -n 40 | tee "$OUT/cases.log" || status=1
     python3 -m mamba3_mimo.bench --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" 2>&1 \

@@ -16,6 +16,8 @@ CASES = [
     dict(B=2, S=512, H=4, G=1, N=128, P=64, R=4, chunk_size=16, dtype=torch.bfloat16, z=True, d=True),
     dict(B=2, S=512, H=4, G=1, N=256, P=128, R=8, chunk_size=8, dtype=torch.bfloat16, z=True, d=True),
     dict(B=1, S=512, H=4, G=1, N=128, P=64, R=1, chunk_size=64, dtype=torch.float32, z=True, d=True),
+    # rows = 64 with a 32-wide P tile: the shape that faulted on commit 9df55fc.
+    dict(B=1, S=256, H=2, G=1, N=128, P=32, R=4, chunk_size=16, dtype=torch.bfloat16, z=True, d=True),
 ]
 failed = 0
 for i, case in enumerate(CASES):

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import chunk_meta
+from .chunk_state import chunk_meta, reduction_meta
 from .triton_utils import (
     chunk_rows,
     intra_chunk_weights,
@@ -65,7 +65,7 @@ def _chunk_scan_kernel(
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_SEG_CHUNKS: tl.constexpr,
+    BLOCK_SEG_CHUNKS: tl.constexpr, SUM_T: tl.constexpr, SUM_R: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -83,6 +83,7 @@ def _chunk_scan_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < P
     tok = tl.arange(0, BLOCK_T)
+    sum_tok = tl.arange(0, SUM_T)  # rows of the rank-summed tiles
 
     # Per-head parameters are re-read every chunk (L1-resident) rather than held in
     # registers across the scan: register pressure, not bandwidth, limits this kernel.
@@ -117,8 +118,8 @@ def _chunk_scan_kernel(
                                            S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, st_offs, st_mask, C, N, P,
                                            BLOCK_SEG_CHUNKS)
 
-    dphi_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-    dzeta_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    dphi_acc = tl.zeros((SUM_R, BLOCK_P), dtype=tl.float32)
+    dzeta_acc = tl.zeros((SUM_R, BLOCK_P), dtype=tl.float32)
 
     # A constant trip count: chunks past NCH (only in the last segment) are virtual padding,
     # fully masked, and leave every output untouched.  Index tiles are built from the
@@ -181,14 +182,14 @@ def _chunk_scan_kernel(
             z_rows = load_token_tile(z_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
             zeta = load_rank_tile(zeta_head, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
             dphi_rows, dzeta_rows, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
-            dphi_acc += sum_over_tokens(dphi_rows, BLOCK_T, BLOCK_R, BLOCK_P)
-            dzeta_acc += sum_over_tokens(dzeta_rows, BLOCK_T, BLOCK_R, BLOCK_P)
-            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, BLOCK_P)
-            store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, tok, H * P, offs_p, p_mask, C)
+            dphi_acc += sum_over_tokens(dphi_rows, BLOCK_T, BLOCK_R, SUM_R)
+            dzeta_acc += sum_over_tokens(dzeta_rows, BLOCK_T, BLOCK_R, SUM_R)
+            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, SUM_T)
+            store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, sum_tok, H * P, offs_p, p_mask, C)
         else:
-            dphi_acc += sum_over_tokens(raw_y * dout_rows, BLOCK_T, BLOCK_R, BLOCK_P)
+            dphi_acc += sum_over_tokens(raw_y * dout_rows, BLOCK_T, BLOCK_R, SUM_R)
 
-    ranks = tl.arange(0, BLOCK_R)
+    ranks = tl.arange(0, SUM_R)
     rp_offs = (bh * N_SEGMENTS + seg) * R * P + ranks[:, None] * P + offs_p[None, :]
     rp_mask = (ranks < R)[:, None] & p_mask[None, :]
     tl.store(dphi_ptr + rp_offs, dphi_acc, mask=rp_mask)
@@ -227,7 +228,7 @@ def chunk_scan(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo
         states, qk_dot, dz if has_z else states, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_segment, n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=RD, **meta,
-        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment),
+        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), **reduction_meta(chunk_size, R),
         HAS_Z=has_z, HAS_D=d is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=num_warps, num_stages=num_stages,

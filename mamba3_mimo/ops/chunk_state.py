@@ -125,3 +125,9 @@ def chunk_meta(chunk_size, R, N, block_p):
     block_t = max(triton.next_power_of_2(chunk_size), max(1, 16 // block_r))
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
                 BLOCK_P=block_p)
+
+
+def reduction_meta(chunk_size, R):
+    """Row counts of the rank / token sums (selection products need M >= 16)."""
+    meta = chunk_meta(chunk_size, R, 2, 16)
+    return dict(SUM_T=max(16, meta["BLOCK_T"]), SUM_R=max(16, meta["BLOCK_R"]))
