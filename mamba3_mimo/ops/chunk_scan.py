@@ -65,7 +65,7 @@ def _chunk_scan_kernel(
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_SEG_CHUNKS: tl.constexpr, SUM_T: tl.constexpr, SUM_R: tl.constexpr,
+    BLOCK_SEG_CHUNKS: tl.constexpr, SUM_T: tl.constexpr, SUM_R: tl.constexpr, SUM_PRECISION: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -182,12 +182,12 @@ def _chunk_scan_kernel(
             z_rows = load_token_tile(z_seq, t0, S, tok, H * P, offs_p, p_mask, C, BLOCK_T, BLOCK_R, BLOCK_P)
             zeta = load_rank_tile(zeta_head, offs_p, p_mask, R, P, BLOCK_T, BLOCK_R, BLOCK_P)
             dphi_rows, dzeta_rows, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
-            dphi_acc += sum_over_tokens(dphi_rows, BLOCK_T, BLOCK_R, SUM_R)
-            dzeta_acc += sum_over_tokens(dzeta_rows, BLOCK_T, BLOCK_R, SUM_R)
-            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, SUM_T)
+            dphi_acc += sum_over_tokens(dphi_rows, BLOCK_T, BLOCK_R, SUM_R, SUM_PRECISION)
+            dzeta_acc += sum_over_tokens(dzeta_rows, BLOCK_T, BLOCK_R, SUM_R, SUM_PRECISION)
+            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, SUM_T, SUM_PRECISION)
             store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, sum_tok, H * P, offs_p, p_mask, C)
         else:
-            dphi_acc += sum_over_tokens(raw_y * dout_rows, BLOCK_T, BLOCK_R, SUM_R)
+            dphi_acc += sum_over_tokens(raw_y * dout_rows, BLOCK_T, BLOCK_R, SUM_R, SUM_PRECISION)
 
     ranks = tl.arange(0, SUM_R)
     rp_offs = (bh * N_SEGMENTS + seg) * R * P + ranks[:, None] * P + offs_p[None, :]
@@ -228,7 +228,7 @@ def chunk_scan(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo
         states, qk_dot, dz if has_z else states, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_segment, n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=RD, **meta,
-        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), **reduction_meta(chunk_size, R),
+        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), **reduction_meta(chunk_size, R, dot_dtype),
         HAS_Z=has_z, HAS_D=d is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=num_warps, num_stages=num_stages,

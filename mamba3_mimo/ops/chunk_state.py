@@ -127,7 +127,8 @@ def chunk_meta(chunk_size, R, N, block_p):
                 BLOCK_P=block_p)
 
 
-def reduction_meta(chunk_size, R):
-    """Row counts of the rank / token sums (selection products need M >= 16)."""
+def reduction_meta(chunk_size, R, dot_dtype):
+    """Row counts (selection products need M >= 16) and precision of the rank / token sums."""
     meta = chunk_meta(chunk_size, R, 2, 16)
-    return dict(SUM_T=max(16, meta["BLOCK_T"]), SUM_R=max(16, meta["BLOCK_R"]))
+    precision = "tf32x3" if dot_dtype == tl.float32 else "tf32"
+    return dict(SUM_T=max(16, meta["BLOCK_T"]), SUM_R=max(16, meta["BLOCK_R"]), SUM_PRECISION=precision)

@@ -94,7 +94,7 @@ def _serial_scan_kernel(
     S, H, NCH,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    SUM_T: tl.constexpr, SUM_R: tl.constexpr,
+    SUM_T: tl.constexpr, SUM_R: tl.constexpr, SUM_PRECISION: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -166,7 +166,7 @@ def _serial_scan_kernel(
             dphi_inc, dzeta_inc, dz_rows = gate_grads(raw_y, dout_rows, phi, z_rows, zeta)
             dphi_acc += dphi_inc
             dzeta_acc += dzeta_inc
-            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, SUM_T)
+            dz_tok = sum_over_ranks(dz_rows, BLOCK_T, BLOCK_R, SUM_T, SUM_PRECISION)
             store_token_tile(dz_ptr + hp_seq, dz_tok, t0, S, tl.arange(0, SUM_T), H * P, offs_p, p_mask, C)
         else:
             dphi_acc += raw_y * dout_rows
@@ -174,10 +174,10 @@ def _serial_scan_kernel(
     ranks = tl.arange(0, SUM_R)
     rp_offs = bh * R * P + ranks[:, None] * P + offs_p[None, :]
     rp_mask = (ranks < R)[:, None] & p_mask[None, :]
-    tl.store(dphi_ptr + rp_offs, sum_over_tokens(dphi_acc, BLOCK_T, BLOCK_R, SUM_R).to(
+    tl.store(dphi_ptr + rp_offs, sum_over_tokens(dphi_acc, BLOCK_T, BLOCK_R, SUM_R, SUM_PRECISION).to(
         dphi_ptr.dtype.element_ty), mask=rp_mask)
     if HAS_Z:
-        tl.store(dzeta_ptr + rp_offs, sum_over_tokens(dzeta_acc, BLOCK_T, BLOCK_R, SUM_R).to(
+        tl.store(dzeta_ptr + rp_offs, sum_over_tokens(dzeta_acc, BLOCK_T, BLOCK_R, SUM_R, SUM_PRECISION).to(
             dzeta_ptr.dtype.element_ty), mask=rp_mask)
 
 
@@ -215,7 +215,7 @@ def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, 
         C=chunk_size, R=R, N=N, P=P,
         BLOCK_T=meta["BLOCK_T"], BLOCK_R=meta["BLOCK_R"],
         BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_P=max(16, triton.next_power_of_2(P)),
-        **reduction_meta(chunk_size, R),
+        **reduction_meta(chunk_size, R, dot_dtype),
         HAS_Z=has_z, HAS_D=d is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         # One stage: the chunk loop's loads are not multi-buffered.  The default (3) asked the

@@ -40,22 +40,25 @@ def broadcast_tokens_to_rows(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BL
 
 
 @triton.jit
-def sum_over_ranks(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, SUM_T: tl.constexpr):
+def sum_over_ranks(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, SUM_T: tl.constexpr,
+                   SUM_PRECISION: tl.constexpr):
     """[BLOCK_T * BLOCK_R, cols] -> [SUM_T, cols], summing each token's ranks; rows >= BLOCK_T are 0.
 
     A product with a 0/1 selection matrix rather than a 3-d reshape and sum:
     the reshape-sum of [64, 32] tiles was the construct common to the two
-    kernels that faulted on the H200 (N128_P32_R4_C16).  tf32x3 keeps fp32
-    accuracy (~2^-21); SUM_T = max(16, BLOCK_T) because tl.dot needs M >= 16.
+    kernels that faulted on the H200 (N128_P32_R4_C16).  SUM_PRECISION is
+    tf32x3 (~2^-21, fp32 accuracy) for fp32 inputs and tf32 (~2^-11, fewer
+    registers) for half inputs; SUM_T = max(16, BLOCK_T) because tl.dot needs M >= 16.
     """
     rows = tl.arange(0, BLOCK_T * BLOCK_R)
     tokens = tl.arange(0, SUM_T)
     select = tl.where((rows // BLOCK_R)[None, :] == tokens[:, None], 1.0, 0.0)
-    return tl.dot(select, x, input_precision="tf32x3")
+    return tl.dot(select, x, input_precision=SUM_PRECISION)
 
 
 @triton.jit
-def sum_over_tokens(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, SUM_R: tl.constexpr):
+def sum_over_tokens(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, SUM_R: tl.constexpr,
+                    SUM_PRECISION: tl.constexpr):
     """[BLOCK_T * BLOCK_R, cols] -> [SUM_R, cols], summing each rank over tokens; rows >= BLOCK_R are 0.
 
     Same selection product as ``sum_over_ranks``; SUM_R = max(16, BLOCK_R).
@@ -63,7 +66,7 @@ def sum_over_tokens(x, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, SUM_R: tl.c
     rows = tl.arange(0, BLOCK_T * BLOCK_R)
     ranks = tl.arange(0, SUM_R)
     select = tl.where((rows % BLOCK_R)[None, :] == ranks[:, None], 1.0, 0.0)
-    return tl.dot(select, x, input_precision="tf32x3")
+    return tl.dot(select, x, input_precision=SUM_PRECISION)
 
 
 @triton.jit
