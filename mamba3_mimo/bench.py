@@ -73,7 +73,6 @@ def copy_bandwidth(device, nbytes=2 << 30):
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 

@@ -2,9 +2,7 @@
 good input is never modified and may be non-contiguous."""
 
 import functools
-import re
 
-import numpy as np
 import pytest
 import torch
 
