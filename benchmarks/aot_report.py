@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.bench import OFFICIAL_CASES, parse_case  # noqa: E402
-from mamba3_mimo.ops import chunk_scan, chunk_state, stage0  # noqa: E402
+from mamba3_mimo.ops import chunk_output, chunk_state, stage0  # noqa: E402
 from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-KERNELS = {"segment_end_state": chunk_state._segment_end_state_kernel, "chunk_scan": chunk_scan._chunk_scan_kernel,
+KERNELS = {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
            "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
            "serial_scan": stage0._serial_scan_kernel}
 
@@ -116,15 +116,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(OFFICIAL_CASES))
     parser.add_argument("--impl", default="production,stage0")
-    parser.add_argument("--config", help="block_p,n_segments,num_warps for production (default: dispatcher)")
+    parser.add_argument("--config", help="ScanConfig fields as key=value,... for production (default: dispatcher)")
     parser.add_argument("--no-z", action="store_true")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = parser.parse_args(argv)
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     config = None
     if args.config:
-        block_p, n_segments, num_warps = (int(x) for x in args.config.split(","))
-        config = ScanConfig(block_p=block_p, n_segments=n_segments, num_warps=num_warps)
+        config = ScanConfig(**{key: int(value) for key, value in (kv.split("=") for kv in args.config.split(","))})
     # CPU tensors pass validation only in interpreter mode; nothing is launched here, so say so,
     # and make the CPU tensors compile as CUDA ones would (bf16 products, bf16 outputs).
     api.interpreter_enabled = lambda: True

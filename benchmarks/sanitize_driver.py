@@ -19,7 +19,8 @@ from mamba3_mimo.ops.production import ScanConfig
 
 NAMES = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
 F32, BF16 = torch.float32, torch.bfloat16
-SEGMENTS = ScanConfig(block_p=16, n_segments=3)  # P = 40: tiles of 16, 16 and 8; 5 chunks in 3 segments
+# P = 40: tiles of 16, 16 and 8; N = 64: two N/2 tiles of 16; 5 chunks in 3 segments and groups of 2.
+SEGMENTS = ScanConfig(block_p=16, n_segments=3, block_half=16, out_block_p=16, chunks_per_program=2)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -28,7 +29,7 @@ CASES = [
     ("production-default-noz", "production", None,
      dict(B=1, S=40, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=BF16, z=False, d=False)),
     ("production-segments-z", "production", SEGMENTS,
-     dict(B=2, S=70, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
+     dict(B=2, S=70, H=4, G=2, N=64, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("production-segments-noz", "production", SEGMENTS,
      dict(B=1, S=70, H=2, G=1, N=32, P=40, R=2, chunk_size=16, dtype=BF16, z=False, d=True)),
     ("stage0-z", "stage0", None,

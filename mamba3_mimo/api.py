@@ -50,9 +50,9 @@ def interpreter_enabled():
     """
     from triton.runtime.interpreter import InterpretedFunction
 
-    from .ops.chunk_scan import _chunk_scan_kernel
+    from .ops.chunk_output import _chunk_output_kernel
 
-    return isinstance(_chunk_scan_kernel, InterpretedFunction)
+    return isinstance(_chunk_output_kernel, InterpretedFunction)
 
 
 def _check_shape(name, tensor, expected):

@@ -77,9 +77,9 @@ def copy_bandwidth(device, nbytes=2 << 30):
 
 
 def _jit_kernels():
-    from .ops import chunk_scan, chunk_state, stage0
+    from .ops import chunk_output, chunk_state, stage0
 
-    return {"segment_end_state": chunk_state._segment_end_state_kernel, "chunk_scan": chunk_scan._chunk_scan_kernel,
+    return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
 
@@ -132,23 +132,54 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
 
 
 def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms):
-    """Candidate production configs around the dispatcher's choice."""
+    """Candidate production configs: the dispatcher's choice and one knob moved at a time."""
+    import dataclasses
+
     from .ops.production import ScanConfig, choose_config
 
     nch = math.ceil(S / chunk_size)
     chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
-    candidates = {chosen}
     p_pow = max(16, 1 << (P - 1).bit_length())
-    for block_p in (16, 32, 64, 128, 256):
-        if block_p > p_pow or not min(2048, N * p_pow) <= N * block_p <= 16384:
-            continue
-        programs = B * H * math.ceil(P / block_p)
-        for n_segments in (1, 2, 4, 8):
-            if n_segments > max(1, nch // 4) or not 128 <= programs * n_segments <= 2048:
+    half_pow = max(16, 1 << (N // 2 - 1).bit_length())
+    knobs = dict(
+        n_segments=[n for n in (chosen.n_segments // 2, chosen.n_segments * 2, chosen.n_segments * 4)
+                    if 1 <= n <= nch],
+        block_p=[p for p in (16, 32, 64) if p <= p_pow],
+        block_half=[n for n in (16, 32, 64) if n <= half_pow],
+        num_warps=[2, 4, 8],
+        out_block_p=[p for p in (32, 64, 128) if p <= p_pow],
+        chunks_per_program=[1, 2, 4, 8],
+        out_num_warps=[4, 8],
+    )
+    candidates = {chosen}
+    for name, values in knobs.items():
+        for value in values:
+            try:
+                candidates.add(dataclasses.replace(chosen, **{name: value}))
+            except ValueError:
                 continue
-            for num_warps in (4, 8):
-                candidates.add(ScanConfig(block_p=block_p, n_segments=n_segments, num_warps=num_warps))
-    return chosen, sorted(candidates, key=lambda c: (c.block_p, c.n_segments, c.num_warps, c.num_stages))
+    order = [f.name for f in dataclasses.fields(ScanConfig)]
+    return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))
+
+
+def kernel_breakdown(inputs, impl, output_dtype, config=None, calls=5):
+    """Mean device time per kernel name (us) over ``calls`` calls, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .api import bwd_fwd
+
+    bwd_fwd(**inputs, output_dtype=output_dtype, impl=impl, config=config)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            bwd_fwd(**inputs, output_dtype=output_dtype, impl=impl, config=config)
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us:
+            totals[event.key[:48]] = device_us / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def _git_commit():
@@ -203,6 +234,10 @@ def run(args):
             if anchor and (args.B, args.S, args.H, args.G, args.dtype) == (4, 2048, 16, 1, "bf16"):
                 record["tilelang_ms"] = anchor[0 if has_z else 1] / 1e3
                 record["speedup_vs_tilelang"] = record["tilelang_ms"] / ms
+            if args.breakdown:
+                record["breakdown_us"] = kernel_breakdown(input_sets[0], impl, output_dtype, config=config)
+                print("    " + ", ".join(f"{k}: {v:.1f}" for k, v in record["breakdown_us"].items()),
+                      file=sys.stderr)
             case_records.append(record)
             print(f"[{index + 1}/{len(args.cases)}] {name} {impl} {record['config'] or ''}: {ms * 1e3:.1f} us "
                   f"({record['floor_ratio']:.2f}x floor)", file=sys.stderr, flush=True)
@@ -285,6 +320,7 @@ def main(argv=None):
     parser.add_argument("--G", type=int, default=1)
     parser.add_argument("--input-sets", type=int, default=3, help="input sets cycled through (L2 defeat)")
     parser.add_argument("--sweep", action="store_true", help="time candidate production configs")
+    parser.add_argument("--breakdown", action="store_true", help="also report device time per kernel")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="draw the chart here")
     args = parser.parse_args(argv)

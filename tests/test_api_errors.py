@@ -295,7 +295,10 @@ def test_batch_element_beyond_int32_is_refused(no_launch, entry):
 @pytest.mark.parametrize("fields,match", [
     (dict(block_p=24, n_segments=1), "block_p"), (dict(block_p=8, n_segments=1), "block_p"),
     (dict(block_p=32, n_segments=0), "n_segments"), (dict(block_p=32, n_segments=2, num_warps=3), "num_warps"),
-    (dict(block_p=32, n_segments=2, num_stages=0), "num_stages"),
+    (dict(block_p=32, n_segments=2, block_half=48), "block_half"),
+    (dict(block_p=32, n_segments=2, out_block_p=8), "out_block_p"),
+    (dict(block_p=32, n_segments=2, chunks_per_program=0), "chunks_per_program"),
+    (dict(block_p=32, n_segments=2, out_num_warps=6), "out_num_warps"),
 ])
 def test_bad_scan_config_is_refused(fields, match):
     from mamba3_mimo.ops.production import ScanConfig

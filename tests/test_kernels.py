@@ -131,13 +131,23 @@ def test_parameters_in_other_float_dtypes(check_kernel, impl):
     check_kernel(impl, B=1, S=32, H=2, N=16, P=16, R=2, chunk_size=16, dtype=F32, transform=recast)
 
 
-# n_segments 2 and 3 do not divide the 5 chunks; 8 is more segments than chunks.
-@pytest.mark.parametrize("n_segments", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("block_p", [16, 32])
-def test_production_configs(check_kernel, n_segments, block_p):
-    """Every explicit config is exact: segments over the sequence, P split into tiles (48 = 3 x 16)."""
-    check_kernel("production", B=1, S=70, H=2, N=16, P=48, R=2, chunk_size=16, dtype=F32,
-                 config=ScanConfig(block_p=block_p, n_segments=n_segments))
+# 5 chunks: 2 and 3 segments do not divide them, 8 is more segments than chunks; N/2 = 32 in tiles
+# of 16; P = 48 in tiles of 16 or 32 (one partial); chunk groups of 2, 3, 4 and 8 (partial groups).
+PRODUCTION_CONFIGS = [
+    ScanConfig(block_p=16, n_segments=1),
+    ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, chunks_per_program=2),
+    ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, chunks_per_program=3),
+    ScanConfig(block_p=16, n_segments=5, out_block_p=16, chunks_per_program=4, num_warps=2, out_num_warps=4),
+    ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8),
+]
+
+
+@pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
+                         f"o{c.out_block_p}-g{c.chunks_per_program}")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_production_configs(check_kernel, config, dtype):
+    """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""
+    check_kernel("production", B=1, S=70, H=2, N=64, P=48, R=2, chunk_size=16, dtype=dtype, config=config)
 
 
 def pad_to_whole_chunks(inputs):

@@ -15,7 +15,7 @@ import mamba3_mimo.api as api
 from conftest import HAS_CUDA, requires_cuda, seed_for, to_device
 from mamba3_mimo.accuracy import assert_outputs_close
 from mamba3_mimo.inputs import build_discretization, make_inputs
-from mamba3_mimo.ops import chunk_scan, chunk_state, stage0
+from mamba3_mimo.ops import chunk_output, chunk_state, stage0
 from mamba3_mimo.ops.production import ScanConfig, choose_config
 from mamba3_mimo.reference import bwd_fwd_reference
 
@@ -249,7 +249,7 @@ def compiled_kernel_count():
     Triton 3.6 keeps them in ``JITFunction.device_caches[device][0]``; older versions in ``.cache``.
     """
     total = 0
-    for module in (chunk_scan, chunk_state, stage0):
+    for module in (chunk_output, chunk_state, stage0):
         for value in vars(module).values():
             if isinstance(value, triton.runtime.jit.JITFunction):
                 if hasattr(value, "device_caches"):

@@ -1,9 +1,15 @@
-"""The production bwd_fwd: segment end states, then the fused chunk scan, split over P tiles.
+"""The production bwd_fwd: segment end states, chunk states, then the chunk-parallel outputs.
 
-``choose_config`` is the shape dispatcher: it picks the P tile (register
-budget of the [N, BLOCK_P] state) and the number of sequence segments
-(parallelism when B * H * P-tiles is too small to fill the GPU).  Every config
-covers the whole contract, so the choice is about speed only.
+Three launches (docs/design.md):
+
+1. ``segment_end_states``: each sequence segment's own end state (skipped with one segment);
+2. ``chunk_states``: the state entering every chunk, written to ``states``;
+3. ``chunk_output``: qk_dot, dz and the Phi / Zeta partials, one program per chunk group.
+
+``choose_config`` is the shape dispatcher: it sizes the state tiles and the
+number of segments so that the two serial scans have enough programs to fill
+the GPU, and the chunk groups of the output stage.  Every config covers the
+whole contract, so the choice is about speed only.
 """
 
 from dataclasses import dataclass
@@ -11,47 +17,69 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .chunk_scan import chunk_scan
-from .chunk_state import segment_end_states
+from .chunk_output import chunk_output
+from .chunk_state import chunk_states, segment_end_states
 
-# Fp32 elements of the [N, BLOCK_P] state one program keeps in registers.
-STATE_TILE_BUDGET = 8192
+# Programs per SM the serial state scans aim for: their chunk loop is latency-bound.
+SCAN_PROGRAMS_PER_SM = 8
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
-MIN_CHUNKS_PER_SEGMENT = 8
+MIN_CHUNKS_PER_SEGMENT = 4
+# Programs per SM the output stage aims for before it groups chunks into one program.
+OUTPUT_PROGRAMS_PER_SM = 16
+
+
+def _check_tile(name, value):
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"ScanConfig.{name} must be a power of two >= 16 (tl.dot), got {value}")
 
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """Launch shape of the production scan: P tile, sequence segments, warps, pipeline stages."""
+    """Launch shape of the production path.
+
+    block_p / block_half: P tile and N/2 tile of one state-scan program;
+    n_segments: sequence segments scanned in parallel;
+    out_block_p: P tile of the output stage; chunks_per_program: chunks one output program walks;
+    num_warps / out_num_warps: warps of the scan and of the output programs.
+    """
 
     block_p: int
     n_segments: int
+    block_half: int = 32
+    out_block_p: int = 64
+    chunks_per_program: int = 1
     num_warps: int = 4
-    num_stages: int = 1
+    out_num_warps: int = 8
 
     def __post_init__(self):
-        if self.block_p < 16 or self.block_p & (self.block_p - 1):
-            raise ValueError(f"ScanConfig.block_p must be a power of two >= 16 (tl.dot), got {self.block_p}")
+        for name in ("block_p", "block_half", "out_block_p"):
+            _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"ScanConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"ScanConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.chunks_per_program < 1:
+            raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
+        for name in ("num_warps", "out_num_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
 
 
 def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
-    """Pick P tile, segment count and launch shape for one problem (see docs/optimization.md)."""
+    """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md)."""
     nch = triton.cdiv(S, chunk_size)
-    n_pow = triton.next_power_of_2(N)
-    block_p = min(max(16, triton.next_power_of_2(P)), max(16, STATE_TILE_BUDGET // n_pow))
-    programs = B * H * triton.cdiv(P, block_p)
-    # A power of two: the official chunk counts are powers of two, so segments come out equal.
-    want_segments = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
+    p_pow = max(16, triton.next_power_of_2(P))
+    half_pow = max(16, triton.next_power_of_2(N // 2))
+    block_p = min(p_pow, 32)
+    block_half = min(half_pow, 32)
+    tiles = triton.cdiv(half_pow, block_half) * triton.cdiv(p_pow, block_p)
+    want_segments = triton.next_power_of_2(triton.cdiv(SCAN_PROGRAMS_PER_SM * num_sms, B * H * tiles))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
-    rows = triton.next_power_of_2(chunk_size) * triton.next_power_of_2(R)
-    num_warps = 8 if rows * block_p >= 64 * 64 or n_pow * block_p >= 8192 else 4
-    return ScanConfig(block_p=block_p, n_segments=n_segments, num_warps=num_warps)
+    out_block_p = min(p_pow, 64)
+    out_programs = B * H * triton.cdiv(p_pow, out_block_p) * nch
+    chunks_per_program = max(1, min(4, out_programs // (OUTPUT_PROGRAMS_PER_SM * num_sms)))
+    chunks_per_program = 1 << (chunks_per_program.bit_length() - 1)
+    out_num_warps = 8
+    return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
+                      chunks_per_program=chunks_per_program, out_num_warps=out_num_warps)
 
 
 def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
@@ -65,17 +93,30 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
     nch = triton.cdiv(S, chunk_size)
     chunks_per_segment = triton.cdiv(nch, config.n_segments)
-    n_segments = triton.cdiv(nch, chunks_per_segment)
-    launch = dict(chunk_size=chunk_size, n_segments=n_segments, chunks_per_segment=chunks_per_segment,
-                  block_p=config.block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
-    seg_state = segment_end_states(k=k, v=v, angles=angles, k_bias=k_bias, mimo_v=mimo_v,
-                                   da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, **launch)
-    dphi, dzeta = chunk_scan(q=q, k=k, v=v, dout=dout, z=z, angles=angles, q_bias=q_bias, k_bias=k_bias,
-                             mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
-                             da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, seg_state=seg_state,
-                             states=states, qk_dot=qk_dot, dz=dz, **launch)
-    # Deterministic reduction of the per-segment partials (no atomics).
+    # cos/sin once per (token, head), not once per (row, program) inside the kernels.
+    cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
+    scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v, da_cs=da_cs, da_cs_rev=da_cs_rev,
+                dt=dt, trap=trap, chunk_size=chunk_size, n_segments=triton.cdiv(nch, chunks_per_segment),
+                chunks_per_segment=chunks_per_segment, block_half=config.block_half, block_p=config.block_p,
+                dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.num_warps)
+    seg_state = segment_end_states(**scan)
+    # The output stage reads the states back; when ``states`` is stored coarser than the inputs
+    # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
+    input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
+    handoff = states
+    if torch.finfo(states.dtype).eps > input_eps:
+        handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
+    chunk_states(**scan, seg_state=seg_state, states=handoff)
+    dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,
+                               mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
+                               da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
+                               qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
+                               chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
+                               dot_dtype=dot_dtype, dot_precision=dot_precision,
+                               num_warps=config.out_num_warps)
+    if handoff is not states:
+        states.copy_(handoff)
+    # Deterministic reduction of the per-group partials (no atomics).
     dmimo_o.copy_(dphi.sum(dim=2))
     if dzeta is not None:
         dmimo_z.copy_(dzeta.sum(dim=2))

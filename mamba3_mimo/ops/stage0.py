@@ -5,14 +5,13 @@ Three passes in the order of the upstream kernel:
   2. qk_dot:  the same-token R x R products from that scratch;
   3. scan:    one program per (b, h) walks every chunk in series with the whole
               [N, P] state in registers, reading the caller's ``segsum``.
-It is deliberately simple; the production path lives in chunk_state / chunk_scan.
+It is deliberately simple; the production path lives in chunk_state / chunk_output.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import chunk_meta, reduction_meta
 from .triton_utils import (
     chunk_rows,
     gate_grads,
@@ -25,6 +24,21 @@ from .triton_utils import (
     sum_over_ranks,
     sum_over_tokens,
 )
+
+
+def chunk_meta(chunk_size, R, N, block_p):
+    """Block sizes of the folded chunk tile: rows = BLOCK_T * BLOCK_R >= 16 (tl.dot's minimum)."""
+    block_r = triton.next_power_of_2(R)
+    block_t = max(triton.next_power_of_2(chunk_size), max(1, 16 // block_r))
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
+                BLOCK_P=block_p)
+
+
+def reduction_meta(chunk_size, R, dot_dtype):
+    """Row counts (selection products need M >= 16) and precision of the rank / token sums."""
+    meta = chunk_meta(chunk_size, R, 2, 16)
+    precision = "tf32x3" if dot_dtype == tl.float32 else "tf32"
+    return dict(SUM_T=max(16, meta["BLOCK_T"]), SUM_R=max(16, meta["BLOCK_R"]), SUM_PRECISION=precision)
 
 
 @triton.jit

@@ -225,3 +225,43 @@ def store_token_tile(ptr, tile, t0, S, tok, token_stride, offs_cols, col_mask, C
     mask = ((tok < C) & (t0 + tok < S))[:, None] & col_mask[None, :]
     offs = (t0 + tok).to(tl.int64)[:, None] * token_stride + offs_cols[None, :]
     tl.store(ptr + offs, tile.to(ptr.dtype.element_ty), mask=mask)
+
+
+# --- gathered row tiles (production kernels) ---------------------------------------------------
+# The production kernels address each row of a tile by its own (token, rank) pair and load it
+# straight from memory, so they never reshape or broadcast register tiles between layouts.
+
+
+@triton.jit
+def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_pos, ranks, row_mask,
+                        token_stride, rank_stride, angle_stride, offs_half, half_mask,
+                        N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Biased, rotated q or k rows as halves (x~[:, n], x~[:, N/2 + n]) for n in ``offs_half``.
+
+    Row i is token ``t_pos[i]``, rank ``ranks[i]`` (both [rows] int tensors).  ``x_seq_ptr`` points
+    at x[b, 0, 0, g, 0] of [B, S, R, G, N], ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N],
+    ``cos_seq_ptr`` / ``sin_seq_ptr`` at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0] (fp32,
+    precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Masked rows
+    come out exactly zero.
+    """
+    HALF: tl.constexpr = N // 2
+    mask = row_mask[:, None] & half_mask[None, :]
+    offs = t_pos[:, None] * token_stride + ranks[:, None] * rank_stride + offs_half[None, :]
+    bias_offs = ranks[:, None] * N + offs_half[None, :]
+    x_lo = tl.load(x_seq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x_lo = tl.where(mask, x_lo + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
+    x_hi = tl.where(mask, x_hi + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0), 0.0)
+    angle_offs = t_pos[:, None] * angle_stride + offs_half[None, :]
+    rotated = mask & (offs_half < RD)[None, :]
+    cos = tl.load(cos_seq_ptr + angle_offs, mask=rotated, other=1.0)
+    sin = tl.load(sin_seq_ptr + angle_offs, mask=rotated, other=0.0)
+    x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
+    return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
+
+
+@triton.jit
+def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask):
+    """[rows, cols] fp32 tile, row i read at ``ptr + row_offs[i] + col``; masked elements are 0."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(ptr + row_offs[:, None] + offs_cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -1,0 +1,196 @@
+"""Stage 3 of the production path: everything that needs q, dout or z, parallel over chunks.
+
+One program owns one (b, h), a few consecutive chunks and one tile of P
+columns; the states entering its chunks come from ``chunk_states``.  Per chunk
+and per rank r of the query it rebuilds
+
+    raw_y[t, r, :] = sum_(s, u) (q~[t, r] . k~[s, u]) W[t, s] psiv[s, u, :]    (intra-chunk)
+                   + exp(da_cs[t]) q~[t, r] . state_in + D psiv[t, r, :]
+
+with W the causal decay/trapezoid weights, writes ``qk_dot`` from the
+same-token columns of the score row, and turns raw_y into the Phi / Zeta / z
+gradients.  Looping over the query rank keeps every tile token-major, so the
+rank sum of dz is a running sum and the token sums are plain reductions.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import (
+    intra_chunk_weights,
+    load_rotated_gather,
+    load_rows,
+    load_token_discretization,
+    silu_and_grad,
+)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, z_ptr, cos_ptr, sin_ptr,
+    q_bias_ptr, k_bias_ptr, psi_ptr, phi_ptr, zeta_ptr, d_ptr,
+    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr,
+    qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    HALF: tl.constexpr = N // 2
+    pid_p = tl.program_id(0)
+    group = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    g = h // HEADS_PER_GROUP
+
+    # Key side: rows are the chunk's (token, rank) pairs, row = t_local * R + u.
+    rows = tl.arange(0, BLOCK_ROWS)
+    row_t = rows // R
+    row_u = rows % R
+    row_valid = rows < C * R
+    # Query side: one rank at a time, rows are tokens.
+    tok = tl.arange(0, BLOCK_C)
+    tok_valid = tok < C
+    offs_half = tl.arange(0, BLOCK_HALF)
+    half_mask = offs_half < HALF
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < P
+    ranks = tl.arange(0, BLOCK_R)
+
+    disc_base = bh * S
+    da_cs_seq = da_cs_ptr + disc_base
+    qk_token_stride = R * G * N
+    q_seq = q_ptr + b * S * qk_token_stride + g * N
+    k_seq = k_ptr + b * S * qk_token_stride + g * N
+    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    cos_seq = cos_ptr + (b * S * H + h) * RD
+    sin_seq = sin_ptr + (b * S * H + h) * RD
+    q_bias_head = q_bias_ptr + h * R * N
+    k_bias_head = k_bias_ptr + h * R * N
+    psi_head = psi_ptr + h * R * P
+    psi_rows = load_rows(psi_head, row_u * P, row_valid, offs_p, p_mask)
+    qk_dot_seq = qk_dot_ptr + bh * S * R * R
+    if HAS_D:
+        d_skip = tl.load(d_ptr + h).to(tl.float32)
+
+    dphi_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    dzeta_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    for j in range(0, CHUNKS_PER_PROGRAM):
+        c = group * CHUNKS_PER_PROGRAM + j
+        t0 = c * C
+        t_rows = t0 + row_t
+        row_mask = row_valid & (t_rows < S)
+        t_tok = t0 + tok
+        tok_mask = tok_valid & (t_tok < S)  # false for every token of a chunk past NCH
+
+        k_lo, k_hi = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
+                                         qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD, DOT_DTYPE)
+        da_rows, _, _, ts_rows = load_token_discretization(
+            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
+        da_tok, _, gamma_tok, _ = load_token_discretization(
+            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_tok, S)
+        weights = intra_chunk_weights(tok, row_t, tok_mask, row_mask, da_tok, da_rows, gamma_tok, ts_rows)
+        psiv = (load_rows(v_ptr + hp_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows).to(DOT_DTYPE)
+
+        state_tile = states_ptr + bh * NCH * N * P + c * N * P + offs_half[:, None] * P + offs_p[None, :]
+        state_mask = half_mask[:, None] & p_mask[None, :] & (c < NCH)
+        state_lo = tl.load(state_tile, mask=state_mask, other=0.0).to(DOT_DTYPE)
+        state_hi = tl.load(state_tile + HALF * P, mask=state_mask, other=0.0).to(DOT_DTYPE)
+        state_scale = tl.exp(da_tok)
+
+        tok_offs = t_tok * (H * P)
+        dout_tok = load_rows(dout_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
+        if HAS_Z:
+            z_tok = load_rows(z_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
+            dz_acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        if HAS_D:
+            v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
+
+        for r in range(0, R):
+            q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_tok, tok * 0 + r, tok_mask,
+                                             qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
+                                             DOT_DTYPE)
+            scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
+            if pid_p == 0:
+                # The same-token columns of the score row are qk_dot[t, r, :] (rotation preserves dots).
+                qk_offs = (t_tok * R + r)[:, None] * R + row_u[None, :]
+                qk_mask = (tok[:, None] == row_t[None, :]) & tok_mask[:, None] & row_mask[None, :]
+                tl.store(qk_dot_seq + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+
+            raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv, input_precision=DOT_PRECISION)
+            y_state = tl.dot(q_lo, state_lo, input_precision=DOT_PRECISION)
+            y_state = tl.dot(q_hi, state_hi, y_state, input_precision=DOT_PRECISION)
+            raw_y += state_scale[:, None] * y_state
+            if HAS_D:
+                psi_r = tl.load(psi_head + r * P + offs_p, mask=p_mask, other=0.0)
+                raw_y += (d_skip * v_tok) * psi_r[None, :]
+
+            phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
+            if HAS_Z:
+                zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
+                gate, dgate = silu_and_grad(z_tok * zeta_r[None, :])
+                dphi_r = tl.sum(gate * raw_y * dout_tok, axis=0)
+                du = dout_tok * phi_r[None, :] * raw_y * dgate
+                dzeta_acc += tl.where(ranks[:, None] == r, tl.sum(du * z_tok, axis=0)[None, :], 0.0)
+                dz_acc += du * zeta_r[None, :]
+            else:
+                dphi_r = tl.sum(raw_y * dout_tok, axis=0)
+            dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
+
+        if HAS_Z:
+            dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]
+            tl.store(dz_ptr + hp_seq + dz_offs, dz_acc.to(dz_ptr.dtype.element_ty),
+                     mask=tok_mask[:, None] & p_mask[None, :])
+
+    part_offs = (bh * N_GROUPS + group) * R * P + ranks[:, None] * P + offs_p[None, :]
+    part_mask = (ranks < R)[:, None] & p_mask[None, :]
+    tl.store(dphi_ptr + part_offs, dphi_acc, mask=part_mask)
+    if HAS_Z:
+        tl.store(dzeta_ptr + part_offs, dzeta_acc, mask=part_mask)
+
+
+def output_meta(*, chunk_size, R, N, block_p):
+    """Block sizes of the output kernel (every tl.dot dimension >= 16)."""
+    return dict(BLOCK_C=max(16, triton.next_power_of_2(chunk_size)),
+                BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * R)),
+                BLOCK_R=triton.next_power_of_2(R), BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
+                BLOCK_P=block_p)
+
+
+def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
+                 da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
+                 chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4):
+    """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
+
+    Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
+        cos_angles, sin_angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
+        fp32 (mimo_z may be None); d: [H] fp32 or None; da_cs, da_cs_rev, dt: [B, H, S] fp32;
+        trap: [B, H, S]; states: [B, H, nch, N, P] from ``chunk_states``;
+        qk_dot: [B, H, S, R, R]; dz: [B, S, H, P] or None.
+    Returns:
+        dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 with
+        n_groups = cdiv(nch, chunks_per_program) (dzeta None without Z); the caller sums dim 2.
+    """
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    nch = triton.cdiv(S, chunk_size)
+    n_groups = triton.cdiv(nch, chunks_per_program)
+    has_z = z is not None
+    dphi = torch.empty((B, H, n_groups, R, P), device=q.device, dtype=torch.float32)
+    dzeta = torch.empty_like(dphi) if has_z else None
+    _chunk_output_kernel[(triton.cdiv(P, block_p), n_groups, B * H)](
+        q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
+        q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
+        da_cs, da_cs_rev, dt, trap, states,
+        qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
+        S, H, G, H // G, nch, chunks_per_program, n_groups,
+        C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
+        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p),
+        HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=num_warps, num_stages=1,
+    )
+    return dphi, dzeta
