@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the accuracy suite and the benchmark, results under $OUT (or ./gpu_out).
-# usage: bash benchmarks/run_gpu.sh [triage|smoke|sweep|full]
+# usage: bash benchmarks/run_gpu.sh [triage|probe|smoke|sweep|full]
 # Every step has its own time limit so that one slow step cannot eat the device budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,12 +20,18 @@ case "$mode" in
       | tail -n 30 | tee "$OUT/cases.log" || status=1
     timeout 120 bash benchmarks/sanitize.sh 2>&1 | tail -n 20 | tee "$OUT/sanitize.log" || status=1
     ;;
+  probe)
+    # New kernels first: accuracy smoke, the official grid with a per-kernel breakdown, the sanitizer.
+    timeout 150 python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
+    timeout 240 python3 -m mamba3_mimo.bench --breakdown --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" || status=1
+    timeout 150 bash benchmarks/sanitize.sh 2>&1 | tail -n 20 | tee "$OUT/sanitize.log" || status=1
+    ;;
   smoke)
     python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
     ;;
   sweep)
     python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
-    python3 -m mamba3_mimo.bench --cases ${CASES:-quick} --impl stage0 --sweep \
+    python3 -m mamba3_mimo.bench --cases ${CASES:-quick} --impl production --sweep \
       --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" || status=1
     ;;
   full)
