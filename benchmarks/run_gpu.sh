@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the accuracy suite and the benchmark, results under $OUT (or ./gpu_out).
-# usage: bash benchmarks/run_gpu.sh [triage|probe|smoke|sweep|full]
+# usage: bash benchmarks/run_gpu.sh [triage|probe|smoke|sweep|tests|bench|full]
+# (tests and bench each fit one 10-minute device call; full is both)
 # Every step has its own time limit so that one slow step cannot eat the device budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,13 +35,16 @@ case "$mode" in
     python3 -m mamba3_mimo.bench --cases ${CASES:-quick} --impl production --sweep \
       --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" || status=1
     ;;
-  full)
-    timeout 400 python3 -m pytest -q -p no:warnings tests 2>&1 | tee "$OUT/tests.log" || status=1
-    python3 -m mamba3_mimo.cases --device cuda --impl all --size all --json "$OUT/cases.json" 2>&1 \
+  tests|full)
+    timeout 330 python3 -m pytest -q -p no:warnings tests 2>&1 | tee "$OUT/tests.log" || status=1
+    timeout 150 python3 -m mamba3_mimo.cases --device cuda --impl all --size all --json "$OUT/cases.json" 2>&1 \
       | tail -n 40 | tee "$OUT/cases.log" || status=1
-    python3 -m mamba3_mimo.bench --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" 2>&1 \
-      | tee "$OUT/bench.log" || status=1
-    python3 -m mamba3_mimo.bench --no-z --impl production,stage0 --json "$OUT/bwd_fwd_h200_noz.json" \
+    timeout 100 bash benchmarks/sanitize.sh 2>&1 | tail -n 20 | tee "$OUT/sanitize.log" || status=1
+    ;;&
+  bench|full)
+    timeout 300 python3 -m mamba3_mimo.bench --breakdown --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" \
+      2>&1 | tee "$OUT/bench.log" || status=1
+    timeout 250 python3 -m mamba3_mimo.bench --no-z --json "$OUT/bwd_fwd_h200_noz.json" \
       --png "$OUT/bwd_fwd_h200_noz.png" 2>&1 | tee "$OUT/bench_noz.log" || status=1
     ;;
 esac
