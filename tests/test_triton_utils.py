@@ -184,3 +184,53 @@ def test_state_increment(rows, half, p):
         got = torch.cat([lo, hi]).cpu().double()
         err = ((got - expected).norm() / expected.norm()).item()
         assert err <= tol, (dot_dtype, err)
+
+
+@triton.jit
+def _rotate_gather_kernel(x_ptr, bias_ptr, cos_ptr, sin_ptr, t_ptr, r_ptr, lo_ptr, hi_ptr, ROWS_VALID,
+                          R: tl.constexpr, N: tl.constexpr, RD: tl.constexpr, HALF_START: tl.constexpr,
+                          BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < ROWS_VALID
+    t_pos = tl.load(t_ptr + rows)
+    ranks = tl.load(r_ptr + rows)
+    offs_half = HALF_START + tl.arange(0, BLOCK_HALF)
+    half_mask = offs_half < N // 2
+    lo, hi = tu.load_rotated_gather(x_ptr, bias_ptr, cos_ptr, sin_ptr, t_pos, ranks, row_mask, R * N, N, RD,
+                                    offs_half, half_mask, N, RD, tl.float32)
+    out_offs = rows[:, None] * BLOCK_HALF + tl.arange(0, BLOCK_HALF)[None, :]
+    tl.store(lo_ptr + out_offs, lo)
+    tl.store(hi_ptr + out_offs, hi)
+
+
+@pytest.mark.parametrize("R,N,divisor,half_start,block_half", [(4, 128, 4, 0, 32), (4, 128, 4, 32, 32),
+                                                                (3, 48, 2, 16, 16), (1, 16, 4, 0, 16),
+                                                                (8, 256, 2, 64, 64)])
+def test_load_rotated_gather(R, N, divisor, half_start, block_half):
+    """Rows at arbitrary (token, rank) pairs, an N/2 tile that may start past 0, masked rows exactly 0."""
+    S, rows, valid_rows = 20, 64, 50
+    rd = N // divisor
+    gen = torch.Generator().manual_seed(seed_for(f"gather_{R}_{N}_{half_start}"))
+    x = torch.randn(S, R, N, generator=gen)         # [S, R, G=1, N] of one (b, g)
+    bias = torch.randn(R, N, generator=gen)
+    angles = 10 * torch.randn(S, rd, generator=gen)  # [S, H=1, RD]
+    t_pos = torch.randint(0, S, (rows,), generator=gen, dtype=torch.int32)
+    ranks = torch.randint(0, R, (rows,), generator=gen, dtype=torch.int32)
+    lo = torch.full((rows, block_half), float("nan"))
+    hi = torch.full((rows, block_half), float("nan"))
+    args = [t.to(DEVICE) for t in (x, bias, torch.cos(angles), torch.sin(angles), t_pos, ranks, lo, hi)]
+    _rotate_gather_kernel[(1,)](*args, valid_rows, R=R, N=N, RD=rd, HALF_START=half_start,
+                                BLOCK_ROWS=rows, BLOCK_HALF=block_half)
+    xb = (x + bias).double()
+    theta = torch.zeros(S, N // 2, dtype=torch.float64)
+    theta[:, :rd] = angles.double()
+    cos, sin = torch.cos(theta)[:, None, :], torch.sin(theta)[:, None, :]
+    ref_lo = (xb[..., :N // 2] * cos - xb[..., N // 2:] * sin)[t_pos.long(), ranks.long()]
+    ref_hi = (xb[..., :N // 2] * sin + xb[..., N // 2:] * cos)[t_pos.long(), ranks.long()]
+    cols = slice(half_start, min(half_start + block_half, N // 2))
+    width = cols.stop - cols.start
+    got_lo, got_hi = args[6].cpu().double(), args[7].cpu().double()
+    torch.testing.assert_close(got_lo[:valid_rows, :width], ref_lo[:valid_rows, cols], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_hi[:valid_rows, :width], ref_hi[:valid_rows, cols], rtol=1e-5, atol=1e-5)
+    assert torch.all(got_lo[valid_rows:] == 0) and torch.all(got_hi[valid_rows:] == 0)
+    assert torch.all(got_lo[:, width:] == 0) and torch.all(got_hi[:, width:] == 0)
