@@ -26,6 +26,14 @@ def test_yaml_on_disk_is_the_generated_suite():
     assert cases.load_suite() == generated, "run `python -m mamba3_mimo.cases --write-yaml` and commit the file"
 
 
+def test_tests_cases_path_is_the_packaged_suite():
+    """tests/cases/bwd_fwd.yaml (where issue 4 asks for it) is the file the installed CLI reads."""
+    import pathlib
+
+    here = pathlib.Path(__file__).parent / "cases" / "bwd_fwd.yaml"
+    assert yaml.safe_load(here.read_text()) == cases.load_suite()
+
+
 def test_suite_layout():
     assert len(CASES) == 24
     assert len({c.name for c in CASES}) == 24 and len({c.seed for c in CASES}) == 24
