@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 mode="${1:-full}"
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
+echo "commit ${MAMBA3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 case "$mode" in
   triage)
     # Helpers alone first (a compiler fault shows here), then composed kernels, then the sanitizer.

@@ -189,7 +189,7 @@ def test_state_increment(rows, half, p):
 @triton.jit
 def _rotate_gather_kernel(x_ptr, bias_ptr, cos_ptr, sin_ptr, t_ptr, r_ptr, lo_ptr, hi_ptr, ROWS_VALID,
                           R: tl.constexpr, N: tl.constexpr, RD: tl.constexpr, HALF_START: tl.constexpr,
-                          BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                          BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, TRANSPOSED: tl.constexpr):
     rows = tl.arange(0, BLOCK_ROWS)
     row_mask = rows < ROWS_VALID
     t_pos = tl.load(t_ptr + rows)
@@ -197,8 +197,11 @@ def _rotate_gather_kernel(x_ptr, bias_ptr, cos_ptr, sin_ptr, t_ptr, r_ptr, lo_pt
     offs_half = HALF_START + tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < N // 2
     lo, hi = tu.load_rotated_gather(x_ptr, bias_ptr, cos_ptr, sin_ptr, t_pos, ranks, row_mask, R * N, N, RD,
-                                    offs_half, half_mask, N, RD, tl.float32)
-    out_offs = rows[:, None] * BLOCK_HALF + tl.arange(0, BLOCK_HALF)[None, :]
+                                    offs_half, half_mask, N, RD, tl.float32, TRANSPOSED=TRANSPOSED)
+    if TRANSPOSED:  # [half, rows] tiles, stored back as [rows, half]
+        out_offs = rows[None, :] * BLOCK_HALF + tl.arange(0, BLOCK_HALF)[:, None]
+    else:
+        out_offs = rows[:, None] * BLOCK_HALF + tl.arange(0, BLOCK_HALF)[None, :]
     tl.store(lo_ptr + out_offs, lo)
     tl.store(hi_ptr + out_offs, hi)
 
@@ -206,7 +209,8 @@ def _rotate_gather_kernel(x_ptr, bias_ptr, cos_ptr, sin_ptr, t_ptr, r_ptr, lo_pt
 @pytest.mark.parametrize("R,N,divisor,half_start,block_half", [(4, 128, 4, 0, 32), (4, 128, 4, 32, 32),
                                                                 (3, 48, 2, 16, 16), (1, 16, 4, 0, 16),
                                                                 (8, 256, 2, 64, 64)])
-def test_load_rotated_gather(R, N, divisor, half_start, block_half):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_load_rotated_gather(R, N, divisor, half_start, block_half, transposed):
     """Rows at arbitrary (token, rank) pairs, an N/2 tile that may start past 0, masked rows exactly 0."""
     S, rows, valid_rows = 20, 64, 50
     rd = N // divisor
@@ -220,7 +224,7 @@ def test_load_rotated_gather(R, N, divisor, half_start, block_half):
     hi = torch.full((rows, block_half), float("nan"))
     args = [t.to(DEVICE) for t in (x, bias, torch.cos(angles), torch.sin(angles), t_pos, ranks, lo, hi)]
     _rotate_gather_kernel[(1,)](*args, valid_rows, R=R, N=N, RD=rd, HALF_START=half_start,
-                                BLOCK_ROWS=rows, BLOCK_HALF=block_half)
+                                BLOCK_ROWS=rows, BLOCK_HALF=block_half, TRANSPOSED=transposed)
     xb = (x + bias).double()
     theta = torch.zeros(S, N // 2, dtype=torch.float64)
     theta[:, :rd] = angles.double()

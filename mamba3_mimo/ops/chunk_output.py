@@ -86,8 +86,10 @@ def _chunk_output_kernel(
         t_tok = t0 + tok
         tok_mask = tok_valid & (t_tok < S)  # false for every token of a chunk past NCH
 
-        k_lo, k_hi = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
-                                         qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD, DOT_DTYPE)
+        # k~^T straight from memory, [N/2, rows] per half: the B operand of the score product.
+        k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
+                                             qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
+                                             DOT_DTYPE, TRANSPOSED=True)
         da_rows, _, _, ts_rows = load_token_discretization(
             da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
         da_tok, _, gamma_tok, _ = load_token_discretization(
@@ -113,8 +115,8 @@ def _chunk_output_kernel(
             q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_tok, tok * 0 + r, tok_mask,
                                              qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
                                              DOT_DTYPE)
-            scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
+            scores = tl.dot(q_lo, k_lo_t, input_precision=DOT_PRECISION)
+            scores = tl.dot(q_hi, k_hi_t, scores, input_precision=DOT_PRECISION)
             if pid_p == 0:
                 # The same-token columns of the score row are qk_dot[t, r, :] (rotation preserves dots).
                 qk_offs = (t_tok * R + r)[:, None] * R + row_u[None, :]

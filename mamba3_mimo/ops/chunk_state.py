@@ -87,8 +87,10 @@ def _state_scan_kernel(
             tl.store(states_seq + c * N * P + HALF * P + tile_offs, state_hi.to(states_ptr.dtype.element_ty),
                      mask=chunk_mask)
 
-        k_lo, k_hi = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base, t_rows, row_r, row_mask,
-                                         R * G * N, G * N, H * RD, offs_half, half_mask, N, RD, DOT_DTYPE)
+        # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
+        k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base, t_rows,
+                                             row_r, row_mask, R * G * N, G * N, H * RD, offs_half, half_mask,
+                                             N, RD, DOT_DTYPE, TRANSPOSED=True)
         _, da_rev, _, trap_scale = load_token_discretization(
             da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
         # exp(da_cs_rev) decays each token to the chunk end; it weighs psiv rows, not k~.
@@ -96,8 +98,8 @@ def _state_scan_kernel(
         psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows * k_weight[:, None]
         psiv_w = psiv_w.to(DOT_DTYPE)
         chunk_decay = tl.where(c < NCH, tl.exp(tl.load(da_cs_seq + tl.minimum(c * C + C - 1, S - 1))), 1.0)
-        state_lo = state_lo * chunk_decay + tl.dot(tl.trans(k_lo), psiv_w, input_precision=DOT_PRECISION)
-        state_hi = state_hi * chunk_decay + tl.dot(tl.trans(k_hi), psiv_w, input_precision=DOT_PRECISION)
+        state_lo = state_lo * chunk_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
+        state_hi = state_hi * chunk_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
 
     if not STORE_STATES:
         end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P

@@ -41,6 +41,10 @@ def reduction_meta(chunk_size, R, dot_dtype):
     return dict(SUM_T=max(16, meta["BLOCK_T"]), SUM_R=max(16, meta["BLOCK_R"]), SUM_PRECISION=precision)
 
 
+# Warps of the serial scan (module-level so benchmarks/diagnose_case.py can try others).
+SERIAL_SCAN_WARPS = 8
+
+
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, angles_ptr, q_bias_ptr, k_bias_ptr, q_rot_ptr, k_rot_ptr,
@@ -234,5 +238,5 @@ def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, 
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         # One stage: the chunk loop's loads are not multi-buffered.  The default (3) asked the
         # H200 for 285 KB of shared memory on a C=32, R=3 tail case.
-        num_warps=8, num_stages=1,
+        num_warps=SERIAL_SCAN_WARPS, num_stages=1,
     )

@@ -233,29 +233,44 @@ def store_token_tile(ptr, tile, t0, S, tok, token_stride, offs_cols, col_mask, C
 
 
 @triton.jit
+def _row_col(row_vals, col_vals, TRANSPOSED: tl.constexpr):
+    """Broadcast per-row and per-column vectors to a [rows, cols] tile, or [cols, rows] if TRANSPOSED."""
+    if TRANSPOSED:
+        return row_vals[None, :], col_vals[:, None]
+    else:
+        return row_vals[:, None], col_vals[None, :]
+
+
+@triton.jit
 def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_pos, ranks, row_mask,
                         token_stride, rank_stride, angle_stride, offs_half, half_mask,
-                        N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                        N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        TRANSPOSED: tl.constexpr = False):
     """Biased, rotated q or k rows as halves (x~[:, n], x~[:, N/2 + n]) for n in ``offs_half``.
 
     Row i is token ``t_pos[i]``, rank ``ranks[i]`` (both [rows] int tensors).  ``x_seq_ptr`` points
     at x[b, 0, 0, g, 0] of [B, S, R, G, N], ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N],
     ``cos_seq_ptr`` / ``sin_seq_ptr`` at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0] (fp32,
     precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Masked rows
-    come out exactly zero.
+    come out exactly zero.  With TRANSPOSED the tiles are [half, rows], loaded that way from
+    memory (the operand layout of k~^T products, with no register transpose).
     """
     HALF: tl.constexpr = N // 2
-    mask = row_mask[:, None] & half_mask[None, :]
-    offs = t_pos[:, None] * token_stride + ranks[:, None] * rank_stride + offs_half[None, :]
-    bias_offs = ranks[:, None] * N + offs_half[None, :]
+    row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
+    mask = row_ok & col_ok
+    row_addr, col = _row_col(t_pos * token_stride + ranks * rank_stride, offs_half, TRANSPOSED)
+    offs = row_addr + col
+    row_bias, _ = _row_col(ranks * N, offs_half, TRANSPOSED)
+    bias_offs = row_bias + col
     x_lo = tl.load(x_seq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x_hi = tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     x_lo = tl.where(mask, x_lo + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
     x_hi = tl.where(mask, x_hi + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0), 0.0)
-    angle_offs = t_pos[:, None] * angle_stride + offs_half[None, :]
-    rotated = mask & (offs_half < RD)[None, :]
-    cos = tl.load(cos_seq_ptr + angle_offs, mask=rotated, other=1.0)
-    sin = tl.load(sin_seq_ptr + angle_offs, mask=rotated, other=0.0)
+    row_angle, _ = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
+    _, col_rotated = _row_col(row_mask, offs_half < RD, TRANSPOSED)
+    rotated = mask & col_rotated
+    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
+    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
     x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
     return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
 
