@@ -55,6 +55,10 @@ for tool in "${tools[@]}"; do
     status=1
   fi
   tail -n 3 "$OUT/sanitize_${tool}_stdout.log"
+  if [ $rc -ne 0 ]; then  # which kernels, and the first report
+    grep -oE '(in|kernel) _[A-Za-z0-9_]*kernel' "$log" | sort | uniq -c | head -n 5
+    grep -m 1 -A 6 -E 'Error|Race|Hazard|hazard' "$log" | cut -c 1-200
+  fi
 done
 
 {

@@ -22,7 +22,7 @@ from .triton_utils import (
     load_rotated_gather,
     load_rows,
     load_token_discretization,
-    silu_and_grad,
+    rank_gate_grads,
 )
 
 
@@ -105,9 +105,8 @@ def _chunk_output_kernel(
 
         tok_offs = t_tok * (H * P)
         dout_tok = load_rows(dout_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
-        if HAS_Z:
-            z_tok = load_rows(z_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
-            dz_acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        z_tok = load_rows(z_ptr + hp_seq, tok_offs, tok_mask & HAS_Z, offs_p, p_mask)
+        dz_acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
         if HAS_D:
             v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
 
@@ -132,16 +131,12 @@ def _chunk_output_kernel(
                 raw_y += (d_skip * v_tok) * psi_r[None, :]
 
             phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-            if HAS_Z:
-                zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-                gate, dgate = silu_and_grad(z_tok * zeta_r[None, :])
-                dphi_r = tl.sum(gate * raw_y * dout_tok, axis=0)
-                du = dout_tok * phi_r[None, :] * raw_y * dgate
-                dzeta_acc += tl.where(ranks[:, None] == r, tl.sum(du * z_tok, axis=0)[None, :], 0.0)
-                dz_acc += du * zeta_r[None, :]
-            else:
-                dphi_r = tl.sum(raw_y * dout_tok, axis=0)
+            zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
+            dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z)
             dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
+            if HAS_Z:
+                dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
+                dz_acc += dz_r
 
         if HAS_Z:
             dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]
