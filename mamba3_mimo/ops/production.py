@@ -20,8 +20,9 @@ import triton
 from .chunk_output import chunk_output
 from .chunk_state import chunk_states, segment_end_states
 
-# Programs per SM the serial state scans aim for: their chunk loop is latency-bound.
-SCAN_PROGRAMS_PER_SM = 8
+# Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four gives
+# 8 segments at N128_P64 (4 segments: 779 us, 8: 806, 16: 826, 32: 945 at 32-wide tiles).
+SCAN_PROGRAMS_PER_SM = 4
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
 
@@ -66,7 +67,10 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     nch = triton.cdiv(S, chunk_size)
     p_pow = max(16, triton.next_power_of_2(P))
     half_pow = max(16, triton.next_power_of_2(N // 2))
-    block_p = min(p_pow, 32)
+    # Measured on the H200 (benchmarks/results/2026-12-03_h200_sweep_723dec1.json): a 64-wide P
+    # tile wins at N = 128 (702 vs 806 us), 32 at N = 16; 4 output warps win at N = 16 (497 vs
+    # 648 us), 8 at N = 128 (806 vs 839 us).
+    block_p = min(p_pow, 64 if N >= 128 else 32)
     block_half = min(half_pow, 32)
     tiles = triton.cdiv(half_pow, block_half) * triton.cdiv(p_pow, block_p)
     want_segments = triton.next_power_of_2(triton.cdiv(SCAN_PROGRAMS_PER_SM * num_sms, B * H * tiles))
@@ -75,7 +79,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
-    out_num_warps = 8
+    out_num_warps = 8 if N >= 64 else 4
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps)
 

@@ -2,7 +2,7 @@
 
 Three passes in the order of the upstream kernel:
   1. rotary:  bias-add and rotate-half of q and k into fp32 scratch [B, H, S, R, N];
-  2. qk_dot:  the same-token R x R products from that scratch;
+  2. qk_dot:  the same-token R x R products from that scratch (fp32 row sums);
   3. scan:    one program per (b, h) walks every chunk in series with the whole
               [N, P] state in registers, reading the caller's ``segsum``.
 It is deliberately simple; the production path lives in chunk_state / chunk_output.
@@ -56,22 +56,24 @@ def _rotary_kernel(
 @triton.jit
 def _qk_dot_kernel(q_rot_ptr, k_rot_ptr, qk_dot_ptr, S,
                    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # For each key rank u, the chunk's (token, rank r) rows of q~ dotted with k~[t, u]: a plain
+    # row sum in fp32.  (A 3-d broadcast-and-sum here drew write-after-write hazards from
+    # racecheck; [rows, N] tiles of >= 256 elements are never replicated across threads.)
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    ranks = tl.arange(0, BLOCK_R)
+    rows = tl.arange(0, BLOCK_ROWS)
+    t_rows = c * C + rows // R
+    row_r = rows % R
+    row_mask = (rows < C * R) & (t_rows < S)
     offs_n = tl.arange(0, BLOCK_N)
-    tile_mask = (ranks < R)[:, None] & (offs_n < N)[None, :]
-    for tok in range(0, C):
-        t = c * C + tok
-        if t < S:
-            base = (bh * S + t) * R * N
-            q_t = tl.load(q_rot_ptr + base + ranks[:, None] * N + offs_n[None, :], mask=tile_mask, other=0.0)
-            k_t = tl.load(k_rot_ptr + base + ranks[:, None] * N + offs_n[None, :], mask=tile_mask, other=0.0)
-            qk = tl.sum(q_t[:, None, :] * k_t[None, :, :], axis=2)
-            out = qk_dot_ptr + (bh * S + t) * R * R + ranks[:, None] * R + ranks[None, :]
-            pair_mask = (ranks < R)[:, None] & (ranks < R)[None, :]
-            tl.store(out, qk.to(qk_dot_ptr.dtype.element_ty), mask=pair_mask)
+    tile_mask = row_mask[:, None] & (offs_n < N)[None, :]
+    token_rows = (bh * S + t_rows) * R
+    q_rows = tl.load(q_rot_ptr + ((token_rows + row_r) * N)[:, None] + offs_n[None, :], mask=tile_mask, other=0.0)
+    for u in range(0, R):
+        k_rows = tl.load(k_rot_ptr + ((token_rows + u) * N)[:, None] + offs_n[None, :], mask=tile_mask, other=0.0)
+        qk_u = tl.sum(q_rows * k_rows, axis=1)
+        tl.store(qk_dot_ptr + (token_rows + row_r) * R + u, qk_u.to(qk_dot_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -201,7 +203,7 @@ def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, 
     )
     _qk_dot_kernel[(nch, B * H)](
         q_rot, k_rot, qk_dot, S, C=chunk_size, R=R, N=N,
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_N=triton.next_power_of_2(N),
+        BLOCK_ROWS=block_rows, BLOCK_N=max(16, triton.next_power_of_2(N)),
     )
     _serial_scan_kernel[(B * H,)](
         q_rot, k_rot, v, dout, z if has_z else dout,
