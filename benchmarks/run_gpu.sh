@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the accuracy suite and the benchmark, results under $OUT (or ./gpu_out).
 # At most 8 files come back from a device call, so logs go to stdout where they can.
-# usage: bash benchmarks/run_gpu.sh [triage|probe|smoke|sweep|tests|bench|full]
+# usage: bash benchmarks/run_gpu.sh [triage|probe|smoke|sweep|tests|bench|full|final]
 # (tests and bench each fit one 10-minute device call; full is both)
 # Every step has its own time limit so that one slow step cannot eat the device budget.
 set -uo pipefail
@@ -35,6 +35,17 @@ case "$mode" in
     python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
     python3 -m mamba3_mimo.bench --cases ${CASES:-quick} --impl production --sweep \
       --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" || status=1
+    ;;
+  final)
+    # Everything that is evidence, in one call: sanitizer, GPU tests, case suite, bench (Z on).
+    OUT="$(mktemp -d)" timeout 100 bash benchmarks/sanitize.sh 2>&1 | tail -n 40 | tee "$OUT/sanitize.log" || status=1
+    timeout 200 python3 -m pytest -q -p no:warnings tests/test_kernels.py -k "gpu or official" \
+      tests/test_robustness.py tests/test_custom_op.py tests/test_triton_utils.py 2>&1 | tail -n 40 \
+      | tee "$OUT/tests.log" || status=1
+    timeout 110 python3 -m mamba3_mimo.cases --device cuda --impl all --size all --json "$OUT/cases.json" 2>&1 \
+      | tail -n 40 | tee "$OUT/cases.log" || status=1
+    timeout 110 python3 -m mamba3_mimo.bench --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" \
+      2>&1 | grep -v -i warn || status=1
     ;;
   tests|full)
     # The GPU-only tests (the CPU-sized ones run in CI); the case suite through its CLI; the sanitizer.
