@@ -18,11 +18,12 @@ import triton
 import triton.language as tl
 
 from .triton_utils import (
+    accumulate_rank_grads,
+    chunk_rows,
     intra_chunk_weights,
     load_rotated_gather,
     load_rows,
     load_token_discretization,
-    rank_gate_grads,
 )
 
 
@@ -47,10 +48,7 @@ def _chunk_output_kernel(
     g = h // HEADS_PER_GROUP
 
     # Key side: rows are the chunk's (token, rank) pairs, row = t_local * R + u.
-    rows = tl.arange(0, BLOCK_ROWS)
-    row_t = rows // R
-    row_u = rows % R
-    row_valid = rows < C * R
+    row_t, row_u, row_valid = chunk_rows(BLOCK_ROWS, C, R)
     # Query side: one rank at a time, rows are tokens.
     tok = tl.arange(0, BLOCK_C)
     tok_valid = tok < C
@@ -73,6 +71,7 @@ def _chunk_output_kernel(
     psi_head = psi_ptr + h * R * P
     psi_rows = load_rows(psi_head, row_u * P, row_valid, offs_p, p_mask)
     qk_dot_seq = qk_dot_ptr + bh * S * R * R
+    d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(d_ptr + h).to(tl.float32)
 
@@ -107,8 +106,7 @@ def _chunk_output_kernel(
         dout_tok = load_rows(dout_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
         z_tok = load_rows(z_ptr + hp_seq, tok_offs, tok_mask & HAS_Z, offs_p, p_mask)
         dz_acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
-        if HAS_D:
-            v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
+        v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask & HAS_D, offs_p, p_mask)
 
         for r in range(0, R):
             q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_tok, tok * 0 + r, tok_mask,
@@ -126,17 +124,9 @@ def _chunk_output_kernel(
             y_state = tl.dot(q_lo, state_lo, input_precision=DOT_PRECISION)
             y_state = tl.dot(q_hi, state_hi, y_state, input_precision=DOT_PRECISION)
             raw_y += state_scale[:, None] * y_state
-            if HAS_D:
-                psi_r = tl.load(psi_head + r * P + offs_p, mask=p_mask, other=0.0)
-                raw_y += (d_skip * v_tok) * psi_r[None, :]
-
-            phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-            zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-            dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z)
-            dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
-            if HAS_Z:
-                dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
-                dz_acc += dz_r
+            dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
+                raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip, psi_head, phi_ptr + h * R * P,
+                zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D)
 
         if HAS_Z:
             dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]

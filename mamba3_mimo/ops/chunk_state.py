@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import load_rotated_gather, load_rows, load_token_discretization
+from .triton_utils import chunk_rows, load_rotated_gather, load_rows, load_token_discretization
 
 
 @triton.jit
@@ -43,10 +43,7 @@ def _state_scan_kernel(
     g = h // HEADS_PER_GROUP
 
     # Rows are the chunk's (token, rank) pairs, row = t_local * R + r.
-    rows = tl.arange(0, BLOCK_ROWS)
-    row_t = rows // R
-    row_r = rows % R
-    row_valid = rows < C * R
+    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, C, R)
     offs_half = pid_n * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -130,40 +127,34 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, d
     )
 
 
-def segment_end_states(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap,
-                       chunk_size, n_segments, chunks_per_segment, block_half, block_p,
-                       dot_dtype, dot_precision, num_warps=4):
+def segment_end_states(*, n_segments, **scan_args):
     """End state of every segment but the last, each scanned from a zero state.
 
-    Args (contiguous; see ``mamba3_mimo.api`` for validation):
+    Args (contiguous; see ``mamba3_mimo.api`` for validation), passed on to the kernel launch:
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
-        k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32;
-        da_cs, da_cs_rev, dt: [B, H, S] fp32; trap: [B, H, S].
+        k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, dt: [B, H, S] fp32;
+        trap: [B, H, S]; chunk_size, n_segments, chunks_per_segment, block_half, block_p,
+        dot_dtype, dot_precision, num_warps.
     Returns:
-        seg_state: [B, H, n_segments, N, P] fp32; entry ``n_segments - 1`` is never written.
+        seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
+        None with a single segment (nothing to fold).
     """
-    B, S, R, G, N = k.shape
-    H, P = v.shape[2], v.shape[3]
-    seg_state = torch.empty((B, H, n_segments, N, P), device=k.device, dtype=torch.float32)
-    if n_segments > 1:
-        _launch(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v, da_cs=da_cs, da_cs_rev=da_cs_rev,
-                dt=dt, trap=trap, seg_state=seg_state, states=seg_state, chunk_size=chunk_size,
-                n_segments=n_segments, chunks_per_segment=chunks_per_segment, block_half=block_half,
-                block_p=block_p, dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=num_warps,
-                store_states=False, segments_launched=n_segments - 1)
+    if n_segments == 1:
+        return None
+    B, _, _, _, N = scan_args["k"].shape
+    H, P = scan_args["v"].shape[2:]
+    seg_state = torch.empty((B, H, n_segments, N, P), device=scan_args["k"].device, dtype=torch.float32)
+    _launch(**scan_args, n_segments=n_segments, seg_state=seg_state, states=seg_state, store_states=False,
+            segments_launched=n_segments - 1)
     return seg_state
 
 
-def chunk_states(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
-                 chunk_size, n_segments, chunks_per_segment, block_half, block_p,
-                 dot_dtype, dot_precision, num_warps=4):
+def chunk_states(*, seg_state, states, n_segments, **scan_args):
     """Write the state entering every chunk into ``states`` [B, H, nch, N, P] (any float dtype).
 
-    ``seg_state`` is the output of ``segment_end_states`` with the same segmentation; other
-    arguments as there.
+    ``seg_state`` is the output of ``segment_end_states`` with the same segmentation (None with
+    one segment); the other arguments are those of ``segment_end_states``.
     """
-    _launch(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v, da_cs=da_cs, da_cs_rev=da_cs_rev,
-            dt=dt, trap=trap, seg_state=seg_state, states=states, chunk_size=chunk_size,
-            n_segments=n_segments, chunks_per_segment=chunks_per_segment, block_half=block_half,
-            block_p=block_p, dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=num_warps,
-            store_states=True, segments_launched=n_segments)
+    # With one segment the fold never runs; any fp32 tensor stands in (same kernel specialization).
+    _launch(**scan_args, n_segments=n_segments, seg_state=scan_args["cos_angles"] if seg_state is None else seg_state,
+            states=states, store_states=True, segments_launched=n_segments)

@@ -97,10 +97,11 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     chunks_per_segment = triton.cdiv(nch, config.n_segments)
     # cos/sin once per (token, head), not once per (row, program) inside the kernels.
     cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
-    scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v, da_cs=da_cs, da_cs_rev=da_cs_rev,
-                dt=dt, trap=trap, chunk_size=chunk_size, n_segments=triton.cdiv(nch, chunks_per_segment),
-                chunks_per_segment=chunks_per_segment, block_half=config.block_half, block_p=config.block_p,
-                dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.num_warps)
+    scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
+                da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
+                n_segments=triton.cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
+                block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
+                dot_precision=dot_precision, num_warps=config.num_warps)
     seg_state = segment_end_states(**scan)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
@@ -109,8 +110,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     if torch.finfo(states.dtype).eps > input_eps:
         handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
     chunk_states(**scan, seg_state=seg_state, states=handoff)
-    dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,
-                               mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
+    dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
+                               q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
                                da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
                                qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,

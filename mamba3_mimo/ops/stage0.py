@@ -12,11 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import load_rotated_gather, load_rows, load_token_discretization, rank_gate_grads
-
-# Warps of the serial scan (module-level so benchmarks/diagnose_case.py can try others).
-SERIAL_SCAN_WARPS = 8
-
+from .triton_utils import accumulate_rank_grads, chunk_rows, load_rotated_gather, load_rows, load_token_discretization
 
 @triton.jit
 def _rotary_kernel(
@@ -31,10 +27,9 @@ def _rotary_kernel(
     h = bh % H
     g = h // HEADS_PER_GROUP
     HALF: tl.constexpr = N // 2
-    rows = tl.arange(0, BLOCK_ROWS)
-    t_rows = c * C + rows // R
-    row_r = rows % R
-    row_mask = (rows < C * R) & (t_rows < S)
+    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, C, R)
+    t_rows = c * C + row_t
+    row_mask = row_valid & (t_rows < S)
     offs_half = tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     x_seq = b * S * R * G * N + g * N
@@ -62,10 +57,9 @@ def _qk_dot_kernel(q_rot_ptr, k_rot_ptr, qk_dot_ptr, S,
     # racecheck; [rows, N] tiles of >= 256 elements are never replicated across threads.)
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, BLOCK_ROWS)
-    t_rows = c * C + rows // R
-    row_r = rows % R
-    row_mask = (rows < C * R) & (t_rows < S)
+    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, C, R)
+    t_rows = c * C + row_t
+    row_mask = row_valid & (t_rows < S)
     offs_n = tl.arange(0, BLOCK_N)
     tile_mask = row_mask[:, None] & (offs_n < N)[None, :]
     token_rows = (bh * S + t_rows) * R
@@ -92,10 +86,7 @@ def _serial_scan_kernel(
     b = bh // H
     h = bh % H
     # Key side: rows are the chunk's (token, rank) pairs; query side: one rank at a time.
-    rows = tl.arange(0, BLOCK_ROWS)
-    row_t = rows // R
-    row_u = rows % R
-    row_valid = rows < C * R
+    row_t, row_u, row_valid = chunk_rows(BLOCK_ROWS, C, R)
     tok = tl.arange(0, BLOCK_C)
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -104,6 +95,7 @@ def _serial_scan_kernel(
     ranks = tl.arange(0, BLOCK_R)
 
     psi_rows = load_rows(psi_ptr + h * R * P, row_u * P, row_valid, offs_p, p_mask)
+    d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(d_ptr + h).to(tl.float32)
     disc_base = bh * S
@@ -141,8 +133,7 @@ def _serial_scan_kernel(
         tok_offs = t_tok * (H * P)
         dout_tok = load_rows(dout_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
         z_tok = load_rows(z_ptr + hp_seq, tok_offs, tok_mask & HAS_Z, offs_p, p_mask)
-        if HAS_D:
-            v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
+        v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask & HAS_D, offs_p, p_mask)
         dz_acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
         for r in range(0, R):
             q_r = tl.load(q_rot_ptr + rot_seq + (t_tok * R + r)[:, None] * N + offs_n[None, :],
@@ -150,16 +141,9 @@ def _serial_scan_kernel(
             scores = tl.dot(q_r, k_t, input_precision=DOT_PRECISION)
             raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             raw_y += tl.exp(da_tok)[:, None] * tl.dot(q_r, state_d, input_precision=DOT_PRECISION)
-            if HAS_D:
-                psi_r = tl.load(psi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-                raw_y += (d_skip * v_tok) * psi_r[None, :]
-            phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-            zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-            dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z)
-            dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
-            if HAS_Z:
-                dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
-                dz_acc += dz_r
+            dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
+                raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip, psi_ptr + h * R * P,
+                phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D)
         if HAS_Z:
             tl.store(dz_ptr + hp_seq + t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :],
                      dz_acc.to(dz_ptr.dtype.element_ty), mask=tok_mask[:, None] & p_mask[None, :])
@@ -219,5 +203,5 @@ def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, 
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         # One stage: the chunk loop's loads are not multi-buffered.  The default (3) asked the
         # H200 for 285 KB of shared memory on a C=32, R=3 tail case.
-        num_warps=SERIAL_SCAN_WARPS, num_stages=1,
+        num_warps=8, num_stages=1,
     )

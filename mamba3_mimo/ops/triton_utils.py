@@ -18,6 +18,13 @@ import triton.language as tl
 
 
 @triton.jit
+def chunk_rows(BLOCK_ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr):
+    """(t_local, rank, valid) of each row of a chunk tile, row = t_local * R + rank: three [BLOCK_ROWS]."""
+    rows = tl.arange(0, BLOCK_ROWS)
+    return rows // R, rows % R, rows < C * R
+
+
+@triton.jit
 def rotate_half(x_lo, x_hi, cos, sin):
     """Rotate-half on the paired halves x[n], x[N/2 + n]; cos = 1, sin = 0 where n >= RD."""
     return x_lo * cos - x_hi * sin, x_lo * sin + x_hi * cos
@@ -117,6 +124,28 @@ def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask):
     """[rows, cols] fp32 tile, row i read at ``ptr + row_offs[i] + col``; masked elements are 0."""
     mask = row_mask[:, None] & col_mask[None, :]
     return tl.load(ptr + row_offs[:, None] + offs_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip,
+                          psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks, offs_p, p_mask,
+                          P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
+    """Finish query rank r of a chunk: add the D skip to raw_y, fold its gradients into the accumulators.
+
+    raw_y: [tokens, cols] without the skip; dphi_acc, dzeta_acc: [BLOCK_R, cols] per-rank token
+    sums; dz_acc: [tokens, cols] rank sum; ``*_head_ptr`` point at the [R, P] parameters of the head.
+    """
+    if HAS_D:
+        psi_r = tl.load(psi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
+        raw_y += (d_skip * v_tok) * psi_r[None, :]
+    phi_r = tl.load(phi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
+    zeta_r = tl.load(zeta_head_ptr + r * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
+    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z)
+    dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
+    if HAS_Z:
+        dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
+        dz_acc += dz_r
+    return dphi_acc, dzeta_acc, dz_acc
 
 
 @triton.jit
