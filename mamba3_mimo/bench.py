@@ -81,7 +81,8 @@ def _jit_kernels():
     from .ops import chunk_output, chunk_state, stage0
 
     return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
-            "chunk_output_folded": chunk_output._chunk_output_folded_kernel, "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
+            "chunk_output_folded": chunk_output._chunk_output_folded_kernel,
+            "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
 
 

@@ -314,8 +314,9 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps([dict(asdict(r), passed=r.passed) for r in results], indent=1))
     failed = [f"{r.case.name}[{r.impl}]" for r in results if not r.passed]
     not_run = f", {len(runs) - len(results)} not run" if len(results) < len(runs) else ""
+    failed_list = ": " + ", ".join(failed) if failed else ""
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed{not_run} ({len(cases)} cases x {len(impls)} "
-          f"impls, {args.device}) in {time.perf_counter() - start:.1f} s" + (": " + ", ".join(failed) if failed else ""))
+          f"impls, {args.device}) in {time.perf_counter() - start:.1f} s{failed_list}")
     return 1 if failed or not_run else 0
 
 
