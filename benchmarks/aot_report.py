@@ -31,7 +31,6 @@ from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
-           "chunk_output_folded": chunk_output._chunk_output_folded_kernel,
            "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
            "serial_scan": stage0._serial_scan_kernel}
 
@@ -124,8 +123,7 @@ def main(argv=None):
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     config = None
     if args.config:
-        config = ScanConfig(**{key: value == "True" if key == "fold_ranks" else int(value)
-                             for key, value in (kv.split("=") for kv in args.config.split(","))})
+        config = ScanConfig(**{key: int(value) for key, value in (kv.split("=") for kv in args.config.split(","))})
     # CPU tensors pass validation only in interpreter mode; nothing is launched here, so say so,
     # and make the CPU tensors compile as CUDA ones would (bf16 products, bf16 outputs).
     api.interpreter_enabled = lambda: True

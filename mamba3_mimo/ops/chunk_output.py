@@ -24,8 +24,6 @@ from .triton_utils import (
     load_rotated_gather,
     load_rows,
     load_token_discretization,
-    select_rows_sum,
-    silu_and_grad,
 )
 
 
@@ -142,155 +140,18 @@ def _chunk_output_kernel(
         tl.store(dzeta_ptr + part_offs, dzeta_acc, mask=part_mask)
 
 
-@triton.jit
-def _chunk_output_folded_kernel(
-    q_ptr, k_ptr, v_ptr, dout_ptr, z_ptr, cos_ptr, sin_ptr,
-    q_bias_ptr, k_bias_ptr, psi_ptr, phi_ptr, zeta_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr,
-    qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
-    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS,
-    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
-):
-    """The same outputs as ``_chunk_output_kernel`` with every query rank at once.
-
-    Queries and keys share the row layout ``row = t_local * R + r``, so a chunk is one
-    [rows, rows] score product and one [rows, P] output tile; the rank sum of dz and the
-    token sums of dPhi / dZeta are products with 0/1 selection matrices (``select_rows_sum``).
-    """
-    HALF: tl.constexpr = N // 2
-    pid_p = tl.program_id(0)
-    group = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    g = h // HEADS_PER_GROUP
-
-    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, C, R)
-    offs_half = tl.arange(0, BLOCK_HALF)
-    half_mask = offs_half < HALF
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_mask = offs_p < P
-    # 0/1 selections: token t <- its R rows (dz), rank r <- its C rows (dPhi, dZeta).
-    tok = tl.arange(0, BLOCK_C)
-    ranks = tl.arange(0, BLOCK_R)
-    token_of_row = (tok[:, None] == row_t[None, :]) & row_valid[None, :]
-    rank_of_row = (ranks[:, None] == row_r[None, :]) & row_valid[None, :]
-
-    disc_base = bh * S
-    da_cs_seq = da_cs_ptr + disc_base
-    qk_token_stride = R * G * N
-    q_seq = q_ptr + b * S * qk_token_stride + g * N
-    k_seq = k_ptr + b * S * qk_token_stride + g * N
-    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
-    cos_seq = cos_ptr + (b * S * H + h) * RD
-    sin_seq = sin_ptr + (b * S * H + h) * RD
-    q_bias_head = q_bias_ptr + h * R * N
-    k_bias_head = k_bias_ptr + h * R * N
-    param_rows = row_r * P  # rows of the [R, P] parameters of this head
-    qk_dot_seq = qk_dot_ptr + bh * S * R * R
-    d_skip = 0.0
-    if HAS_D:
-        d_skip = tl.load(d_ptr + h).to(tl.float32)
-
-    dphi_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-    dzeta_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-    for j in range(0, CHUNKS_PER_PROGRAM):
-        c = group * CHUNKS_PER_PROGRAM + j
-        t0 = c * C
-        t_rows = t0 + row_t
-        row_mask = row_valid & (t_rows < S)  # false for every row of a chunk past NCH
-
-        # Order chosen for liveness: q~ . state first, then the scores, so neither q~ nor k~ outlives its dots.
-        q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_rows, row_r, row_mask,
-                                         qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD, DOT_DTYPE)
-        state_tile = states_ptr + bh * NCH * N * P + c * N * P + offs_half[:, None] * P + offs_p[None, :]
-        state_mask = half_mask[:, None] & p_mask[None, :] & (c < NCH)
-        state_lo = tl.load(state_tile, mask=state_mask, other=0.0).to(DOT_DTYPE)
-        state_hi = tl.load(state_tile + HALF * P, mask=state_mask, other=0.0).to(DOT_DTYPE)
-        y_state = tl.dot(q_lo, state_lo, input_precision=DOT_PRECISION)
-        y_state = tl.dot(q_hi, state_hi, y_state, input_precision=DOT_PRECISION)
-
-        k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_r, row_mask,
-                                             qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
-                                             DOT_DTYPE, TRANSPOSED=True)
-        scores = tl.dot(q_lo, k_lo_t, input_precision=DOT_PRECISION)
-        scores = tl.dot(q_hi, k_hi_t, scores, input_precision=DOT_PRECISION)
-        if pid_p == 0:
-            # Same-token blocks of the scores are qk_dot[t, r, u] (rotation preserves same-token dots).
-            qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
-            qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
-            tl.store(qk_dot_seq + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
-
-        da_rows, _, gamma_rows, ts_rows = load_token_discretization(
-            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
-        weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
-        weighted_scores = (scores * weights).to(DOT_DTYPE)
-        row_offs = t_rows * (H * P)
-        # Parameter rows are masked by the loop-variant row_mask so that they are re-read per chunk
-        # (L1 hits) instead of hoisted out of the loop as live [rows, P] tiles.
-        psiv = load_rows(v_ptr + hp_seq, row_offs, row_mask, offs_p, p_mask) * \
-            load_rows(psi_ptr + h * R * P, param_rows, row_mask, offs_p, p_mask)
-        raw_y = tl.dot(weighted_scores, psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        raw_y += tl.exp(da_rows)[:, None] * y_state
-        if HAS_D:
-            raw_y += d_skip * psiv
-
-        # Gate gradients per row; dout and z are per token, Phi and Zeta per rank.
-        dout_rows = load_rows(dout_ptr + hp_seq, row_offs, row_mask, offs_p, p_mask)
-        phi_rows = load_rows(phi_ptr + h * R * P, param_rows, row_mask, offs_p, p_mask)
-        if HAS_Z:
-            z_rows = load_rows(z_ptr + hp_seq, row_offs, row_mask, offs_p, p_mask)
-            zeta_rows = load_rows(zeta_ptr + h * R * P, param_rows, row_mask, offs_p, p_mask)
-            gate, dgate = silu_and_grad(z_rows * zeta_rows)
-            du = dout_rows * phi_rows * raw_y * dgate
-            dphi_acc += select_rows_sum(rank_of_row, gate * raw_y * dout_rows, SUM_DTYPE)
-            dzeta_acc += select_rows_sum(rank_of_row, du * z_rows, SUM_DTYPE)
-            dz_tok = select_rows_sum(token_of_row, du * zeta_rows, SUM_DTYPE)
-            t_tok = t0 + tok
-            dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]
-            tl.store(dz_ptr + hp_seq + dz_offs, dz_tok.to(dz_ptr.dtype.element_ty),
-                     mask=((tok < C) & (t_tok < S))[:, None] & p_mask[None, :])
-        else:
-            dphi_acc += select_rows_sum(rank_of_row, raw_y * dout_rows, SUM_DTYPE)
-
-    part_offs = (bh * N_GROUPS + group) * R * P + ranks[:, None] * P + offs_p[None, :]
-    part_mask = (ranks < R)[:, None] & p_mask[None, :]
-    tl.store(dphi_ptr + part_offs, dphi_acc, mask=part_mask)
-    if HAS_Z:
-        tl.store(dzeta_ptr + part_offs, dzeta_acc, mask=part_mask)
-
-
-def output_meta(*, chunk_size, R, N, block_p, fold_ranks=False):
-    """Block sizes of the output kernels (every tl.dot dimension >= 16)."""
+def output_meta(*, chunk_size, R, N, block_p):
+    """Block sizes of the output kernel (every tl.dot dimension >= 16)."""
     return dict(BLOCK_C=max(16, triton.next_power_of_2(chunk_size)),
                 BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * R)),
-                BLOCK_R=max(16 if fold_ranks else 1, triton.next_power_of_2(R)),
-                BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)), BLOCK_P=block_p)
-
-
-def sum_dtype(dot_dtype, device):
-    """Operand dtype of the folded kernel's selection sums: bf16 (split) for half inputs on the GPU.
-
-    fp32 inputs sum exactly in fp32; the interpreter miscomputes bf16 products, so there half
-    inputs split in fp16 (same code path, narrower range: test inputs only).
-    """
-    if dot_dtype == tl.float32:
-        return tl.float32
-    return tl.bfloat16 if device.type == "cuda" else tl.float16
+                BLOCK_R=triton.next_power_of_2(R), BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
+                BLOCK_P=block_p)
 
 
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
-                 chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
-                 fold_ranks=False):
+                 chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
-
-    ``fold_ranks`` runs ``_chunk_output_folded_kernel`` (all query ranks as rows of one tile; meant
-    for C * R <= 64) instead of the per-rank loop of ``_chunk_output_kernel``; the results agree
-    to rounding.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
         cos_angles, sin_angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
@@ -308,17 +169,15 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     has_z = z is not None
     dphi = torch.empty((B, H, n_groups, R, P), device=q.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
-    kernel = _chunk_output_folded_kernel if fold_ranks else _chunk_output_kernel
-    extra = dict(SUM_DTYPE=sum_dtype(dot_dtype, q.device)) if fold_ranks else {}
-    kernel[(triton.cdiv(P, block_p), n_groups, B * H)](
+    _chunk_output_kernel[(triton.cdiv(P, block_p), n_groups, B * H)](
         q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
         q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
         da_cs, da_cs_rev, dt, trap, states,
         qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_program, n_groups,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
-        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, fold_ranks=fold_ranks),
-        HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, **extra,
+        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p),
+        HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

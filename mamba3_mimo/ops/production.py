@@ -25,8 +25,6 @@ from .chunk_state import chunk_states, segment_end_states
 SCAN_PROGRAMS_PER_SM = 4
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
-# Largest chunk (C * R rows) the rank-folded output kernel takes; its [rows, rows] scores live in registers.
-FOLD_MAX_ROWS = 64
 
 
 def _check_tile(name, value):
@@ -43,9 +41,7 @@ class ScanConfig:
     out_block_p: P tile of the output stage; chunks_per_program: chunks one output program walks;
     num_warps / out_num_warps: warps of the scan and of the output programs;
     num_stages: software-pipeline depth Triton gives the scan's chunk loop (1: none; 2 prefetches
-    the next chunk through shared memory);
-    fold_ranks: the output stage takes all query ranks as rows of one tile (``_chunk_output_folded_kernel``)
-    instead of looping over them.
+    the next chunk through shared memory).
     """
 
     block_p: int
@@ -55,7 +51,6 @@ class ScanConfig:
     chunks_per_program: int = 1
     num_warps: int = 4
     out_num_warps: int = 8
-    fold_ranks: bool = False
     num_stages: int = 1
 
     def __post_init__(self):
@@ -90,10 +85,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
     out_num_warps = 8 if N >= 64 else 4
-    # All ranks in one tile while a chunk's rows fit a 64-row score product (every official shape).
-    fold_ranks = chunk_size * R <= FOLD_MAX_ROWS
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
-                      chunks_per_program=chunks_per_program, out_num_warps=out_num_warps, fold_ranks=fold_ranks)
+                      chunks_per_program=chunks_per_program, out_num_warps=out_num_warps)
 
 
 def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
@@ -128,7 +121,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                dot_dtype=dot_dtype, dot_precision=dot_precision,
-                               num_warps=config.out_num_warps, fold_ranks=config.fold_ranks)
+                               num_warps=config.out_num_warps)
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).

@@ -163,20 +163,3 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr):
     else:
         zero = tl.zeros_like(raw_y)
         return tl.sum(raw_y * dout_tok, axis=0), tl.sum(zero, axis=0), zero
-
-
-@triton.jit
-def select_rows_sum(selection, x, SUM_DTYPE: tl.constexpr):
-    """Sums of chosen rows: ``selection`` [M, rows] of 0/1 (bool) times ``x`` [rows, cols] fp32.
-
-    With SUM_DTYPE fp32 an exact ieee product.  With a half SUM_DTYPE the tensor cores take x
-    split in two, hi = x rounded and lo = the rest, so the sum keeps about twice that dtype's
-    mantissa (2^-16 relative in bf16): far inside the half-precision contract.
-    """
-    if SUM_DTYPE == tl.float32:
-        return tl.dot(selection.to(tl.float32), x, input_precision="ieee")
-    else:
-        sel = selection.to(SUM_DTYPE)
-        hi = x.to(SUM_DTYPE)
-        lo = (x - hi.to(tl.float32)).to(SUM_DTYPE)
-        return tl.dot(sel, lo, tl.dot(sel, hi))
