@@ -81,6 +81,7 @@ def _jit_kernels():
     from .ops import chunk_output, chunk_state, stage0
 
     return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
+            "sum_partials": chunk_output._sum_partials_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
 
@@ -151,7 +152,6 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms):
         out_block_p=[p for p in (32, 64, 128) if p <= p_pow],
         chunks_per_program=[1, 2, 4, 8],
         out_num_warps=[4, 8],
-        num_stages=[1, 2],
     )
     candidates = {chosen}
     for name, values in knobs.items():

@@ -112,7 +112,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p):
 
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
-            num_warps, num_stages, store_states, segments_launched):
+            num_warps, store_states, segments_launched):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_half=block_half, block_p=block_p)
@@ -123,7 +123,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, d
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,
         BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=1,
     )
 
 
@@ -134,7 +134,7 @@ def segment_end_states(*, n_segments, **scan_args):
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, dt: [B, H, S] fp32;
         trap: [B, H, S]; chunk_size, n_segments, chunks_per_segment, block_half, block_p,
-        dot_dtype, dot_precision, num_warps, num_stages (2: Triton pipelines the chunk loop's loads).
+        dot_dtype, dot_precision, num_warps.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .chunk_output import chunk_output
+from .chunk_output import chunk_output, sum_partials
 from .chunk_state import chunk_states, segment_end_states
 
-# Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four gives
-# 8 segments at N128_P64 (4 segments: 779 us, 8: 806, 16: 826, 32: 945 at 32-wide tiles).
+# Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
+# [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two with [2 x 64, 64] tiles (254
+# registers, 2 CTAs fit), which gives 8 segments at N128_P64 (4: 671 us, 8: 640, 16: 723).
 SCAN_PROGRAMS_PER_SM = 4
+WIDE_TILE_PROGRAMS_PER_SM = 2
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
 
@@ -39,9 +41,7 @@ class ScanConfig:
     block_p / block_half: P tile and N/2 tile of one state-scan program;
     n_segments: sequence segments scanned in parallel;
     out_block_p: P tile of the output stage; chunks_per_program: chunks one output program walks;
-    num_warps / out_num_warps: warps of the scan and of the output programs;
-    num_stages: software-pipeline depth Triton gives the scan's chunk loop (1: none; 2 prefetches
-    the next chunk through shared memory).
+    num_warps / out_num_warps: warps of the scan and of the output programs.
     """
 
     block_p: int
@@ -51,7 +51,6 @@ class ScanConfig:
     chunks_per_program: int = 1
     num_warps: int = 4
     out_num_warps: int = 8
-    num_stages: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -60,8 +59,6 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
-        if not 1 <= self.num_stages <= 3:
-            raise ValueError(f"ScanConfig.num_stages must be in 1..3, got {self.num_stages}")
         for name in ("num_warps", "out_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
@@ -75,10 +72,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # Measured on the H200 (benchmarks/results/2026-12-03_h200_sweep_723dec1.json): a 64-wide P
     # tile wins at N = 128 (702 vs 806 us), 32 at N = 16; 4 output warps win at N = 16 (497 vs
     # 648 us), 8 at N = 128 (806 vs 839 us).
+    # Sweep of 9ed3b5f (2026-12-03_h200_sweep_9ed3b5f.json): at N = 128 a 64-wide N/2 tile wins
+    # again (N128_P64_R4_C16 640 vs 706 us, N128_P64_R8_C8 1576 vs 1700).
     block_p = min(p_pow, 64 if N >= 128 else 32)
-    block_half = min(half_pow, 32)
+    block_half = min(half_pow, 64 if N >= 128 else 32)
     tiles = triton.cdiv(half_pow, block_half) * triton.cdiv(p_pow, block_p)
-    want_segments = triton.next_power_of_2(triton.cdiv(SCAN_PROGRAMS_PER_SM * num_sms, B * H * tiles))
+    per_sm = WIDE_TILE_PROGRAMS_PER_SM if block_half >= 64 else SCAN_PROGRAMS_PER_SM
+    want_segments = triton.next_power_of_2(triton.cdiv(per_sm * num_sms, B * H * tiles))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
@@ -106,7 +106,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
                 n_segments=triton.cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps, num_stages=config.num_stages)
+                dot_precision=dot_precision, num_warps=config.num_warps)
     seg_state = segment_end_states(**scan)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
@@ -125,6 +125,6 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).
-    dmimo_o.copy_(dphi.sum(dim=2))
+    sum_partials(partial=dphi, out=dmimo_o)
     if dzeta is not None:
-        dmimo_z.copy_(dzeta.sum(dim=2))
+        sum_partials(partial=dzeta, out=dmimo_z)
