@@ -31,7 +31,6 @@ from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
-           "sum_partials": chunk_output._sum_partials_kernel,
            "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
            "serial_scan": stage0._serial_scan_kernel}
 

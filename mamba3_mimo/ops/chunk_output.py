@@ -182,34 +182,3 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     )
     return dphi, dzeta
 
-
-@triton.jit
-def _sum_partials_kernel(part_ptr, out_ptr, N_GROUPS, ROW: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr):
-    """out[bh, :] = sum over groups of part[bh, group, :]; a fixed [BLOCK_G, BLOCK] tiling, so deterministic."""
-    bh = tl.program_id(1).to(tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < ROW
-    groups = tl.arange(0, BLOCK_G)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, N_GROUPS, BLOCK_G):
-        tile_mask = ((g0 + groups) < N_GROUPS)[:, None] & mask[None, :]
-        tile = tl.load(part_ptr + (bh * N_GROUPS + g0 + groups)[:, None] * ROW + offs[None, :], mask=tile_mask,
-                       other=0.0)
-        acc += tl.sum(tile, axis=0)
-    tl.store(out_ptr + bh * ROW + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def sum_partials(*, partial, out):
-    """Write ``partial.sum(dim=2)`` into ``out``: partial [B, H, n_groups, R, P] fp32, out [B, H, R, P].
-
-    [32 groups, 128 columns] tiles per step; torch's reduction over the middle dimension took 16-30 us
-    on the official grid for what is a 4-8 us read.
-    """
-    B, H, n_groups, R, P = partial.shape
-    if not out.is_contiguous():
-        out.copy_(partial.sum(dim=2))
-        return
-    block = min(128, triton.next_power_of_2(R * P))
-    block_g = min(32, triton.next_power_of_2(n_groups))
-    _sum_partials_kernel[(triton.cdiv(R * P, block), B * H)](partial, out, n_groups, ROW=R * P, BLOCK_G=block_g,
-                                                              BLOCK=block, num_warps=4)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .chunk_output import chunk_output, sum_partials
+from .chunk_output import chunk_output
 from .chunk_state import chunk_states, segment_end_states
 
 # Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
@@ -125,6 +125,6 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).
-    sum_partials(partial=dphi, out=dmimo_o)
+    dmimo_o.copy_(dphi.sum(dim=2))
     if dzeta is not None:
-        sum_partials(partial=dzeta, out=dmimo_z)
+        dmimo_z.copy_(dzeta.sum(dim=2))
