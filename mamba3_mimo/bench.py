@@ -184,6 +184,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms):
         out_block_p=[p for p in (32, 64, 128) if p <= p_pow],
         chunks_per_program=[1, 2, 4, 8],
         out_num_warps=[4, 8],
+        ranks_per_step=[f for f in (2, 4) if f <= R and chunk_size * f <= 64],
     )
     candidates = {chosen}
     for name, values in knobs.items():

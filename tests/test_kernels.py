@@ -143,12 +143,31 @@ PRODUCTION_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
-                         f"o{c.out_block_p}-g{c.chunks_per_program}")
+                         f"o{c.out_block_p}-g{c.chunks_per_program}-f{c.ranks_per_step}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""
     check_kernel("production", B=1, S=70, H=2, N=64, P=48, R=2, chunk_size=16, dtype=dtype, config=config)
 
+
+
+# Several query ranks per output step: R not divisible by the step (3 by 2), a step wider than R
+# (4 > 3), C = 8 and 4 (the shapes the step is for), a tail chunk (S = 45), GQA and no Z.
+RANK_STEP_CASES = [
+    dict(R=3, chunk_size=8, ranks_per_step=2, S=45, z=True),
+    dict(R=4, chunk_size=8, ranks_per_step=2, S=48, z=True),
+    dict(R=3, chunk_size=4, ranks_per_step=4, S=30, z=False),
+    dict(R=8, chunk_size=8, ranks_per_step=4, S=40, z=True),
+]
+
+
+@pytest.mark.parametrize("case", RANK_STEP_CASES, ids=lambda c: f"R{c['R']}-C{c['chunk_size']}-f{c['ranks_per_step']}")
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_production_ranks_per_step(check_kernel, case, dtype):
+    """The output stage's multi-rank query tiles are exact against the float64 reference."""
+    config = ScanConfig(block_p=16, n_segments=2, out_block_p=32, ranks_per_step=case["ranks_per_step"])
+    check_kernel("production", B=1, S=case["S"], H=2, G=1 if case["R"] == 8 else 2, N=32, P=32, R=case["R"],
+                 chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 
 def pad_to_whole_chunks(inputs):
     """The host padding of SPEC section 4: S -> nch * C."""

@@ -145,3 +145,32 @@ def test_rank_gate_grads(has_z):
         torch.testing.assert_close(dz, z_g.grad, rtol=1e-5, atol=1e-5)
     else:
         assert torch.all(dzeta == 0) and torch.all(dz == 0)
+
+
+@triton.jit
+def _select_sum_kernel(x_ptr, out_ptr, F: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                       SUM_DTYPE: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    tok = tl.arange(0, M)
+    selection = (tok[:, None] == (rows // F)[None, :]) & (rows < ROWS - 3)[None, :]  # the last 3 rows are padding
+    x = tl.load(x_ptr + rows[:, None] * COLS + cols[None, :])
+    tl.store(out_ptr + tok[:, None] * COLS + cols[None, :], tu.select_rows_sum(selection, x, SUM_DTYPE))
+
+
+@pytest.mark.parametrize("sum_dtype", ["fp32", "split"])
+def test_select_rows_sum(sum_dtype):
+    """Token sums of F consecutive rows as a 0/1 product: exact in fp32, ~2^-16 relative when split in halves."""
+    F, M, rows, cols = 2, 16, 32, 64
+    gen = torch.Generator().manual_seed(seed_for(f"select_{sum_dtype}"))
+    # Magnitudes over 2^10 so that one half-precision rounding would show.
+    x = torch.randn(rows, cols, generator=gen) * torch.exp2(torch.randint(-5, 6, (rows, 1), generator=gen))
+    out = torch.full((M, cols), float("nan"), device=DEVICE)
+    split = tl.bfloat16 if DEVICE == "cuda" else tl.float16  # the interpreter miscomputes bf16 products
+    _select_sum_kernel[(1,)](x.to(DEVICE), out, F=F, M=M, ROWS=rows, COLS=cols,
+                             SUM_DTYPE=tl.float32 if sum_dtype == "fp32" else split)
+    xd = x.double()
+    xd[rows - 3:] = 0
+    expected = xd.view(M, F, cols).sum(1)
+    tol = 1e-6 if sum_dtype == "fp32" else 3e-5
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=tol, atol=tol * expected.abs().max().item())

@@ -19,11 +19,13 @@ import triton.language as tl
 
 from .triton_utils import (
     accumulate_rank_grads,
+    accumulate_rank_group_grads,
     chunk_rows,
     intra_chunk_weights,
     load_rotated_gather,
     load_rows,
     load_token_discretization,
+    select_rows_sum,
 )
 
 
@@ -35,11 +37,12 @@ def _chunk_output_kernel(
     qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
+    F: tl.constexpr = RANKS_PER_STEP
     pid_p = tl.program_id(0)
     group = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
@@ -49,9 +52,14 @@ def _chunk_output_kernel(
 
     # Key side: rows are the chunk's (token, rank) pairs, row = t_local * R + u.
     row_t, row_u, row_valid = chunk_rows(BLOCK_ROWS, C, R)
-    # Query side: one rank at a time, rows are tokens.
+    # Query side: F ranks per step, row = t_local * F + local rank (F = 1: rows are tokens).
+    q_rows = tl.arange(0, BLOCK_Q)
+    q_t = q_rows // F
+    q_local = q_rows % F
+    q_valid = q_rows < C * F
     tok = tl.arange(0, BLOCK_C)
-    tok_valid = tok < C
+    # dz of token t sums its F query rows (F > 1 only).
+    token_of_q = (tok[:, None] == q_t[None, :]) & q_valid[None, :]
     offs_half = tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -82,8 +90,8 @@ def _chunk_output_kernel(
         t0 = c * C
         t_rows = t0 + row_t
         row_mask = row_valid & (t_rows < S)
-        t_tok = t0 + tok
-        tok_mask = tok_valid & (t_tok < S)  # false for every token of a chunk past NCH
+        t_q = t0 + q_t
+        q_tok_mask = q_valid & (t_q < S)  # false for every row of a chunk past NCH
 
         # k~^T straight from memory, [N/2, rows] per half: the B operand of the score product.
         k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
@@ -91,47 +99,63 @@ def _chunk_output_kernel(
                                              DOT_DTYPE, TRANSPOSED=True)
         da_rows, _, _, ts_rows = load_token_discretization(
             da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
-        da_tok, _, gamma_tok, _ = load_token_discretization(
-            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_tok, S)
-        weights = intra_chunk_weights(tok, row_t, tok_mask, row_mask, da_tok, da_rows, gamma_tok, ts_rows)
+        da_q, _, gamma_q, _ = load_token_discretization(
+            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_q, S)
+        weights = intra_chunk_weights(q_t, row_t, q_tok_mask, row_mask, da_q, da_rows, gamma_q, ts_rows)
         psiv = (load_rows(v_ptr + hp_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows).to(DOT_DTYPE)
 
         state_tile = states_ptr + bh * NCH * N * P + c * N * P + offs_half[:, None] * P + offs_p[None, :]
         state_mask = half_mask[:, None] & p_mask[None, :] & (c < NCH)
         state_lo = tl.load(state_tile, mask=state_mask, other=0.0).to(DOT_DTYPE)
         state_hi = tl.load(state_tile + HALF * P, mask=state_mask, other=0.0).to(DOT_DTYPE)
-        state_scale = tl.exp(da_tok)
+        state_scale = tl.exp(da_q)
 
-        tok_offs = t_tok * (H * P)
-        dout_tok = load_rows(dout_ptr + hp_seq, tok_offs, tok_mask, offs_p, p_mask)
-        z_tok = load_rows(z_ptr + hp_seq, tok_offs, tok_mask & HAS_Z, offs_p, p_mask)
-        dz_acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
-        v_tok = load_rows(v_ptr + hp_seq, tok_offs, tok_mask & HAS_D, offs_p, p_mask)
+        q_offs = t_q * (H * P)
+        dout_q = load_rows(dout_ptr + hp_seq, q_offs, q_tok_mask, offs_p, p_mask)
+        z_q = load_rows(z_ptr + hp_seq, q_offs, q_tok_mask & HAS_Z, offs_p, p_mask)
+        dz_acc = tl.zeros((BLOCK_Q, BLOCK_P), dtype=tl.float32)
+        v_q = load_rows(v_ptr + hp_seq, q_offs, q_tok_mask & HAS_D, offs_p, p_mask)
 
-        for r in range(0, R):
-            q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_tok, tok * 0 + r, tok_mask,
+        for rank_group in range(0, (R + F - 1) // F):
+            q_rank = rank_group * F + q_local
+            if F == 1:
+                q_mask = q_tok_mask
+            else:
+                q_mask = q_tok_mask & (q_rank < R)
+            q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_q, q_rank, q_mask,
                                              qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
                                              DOT_DTYPE)
             scores = tl.dot(q_lo, k_lo_t, input_precision=DOT_PRECISION)
             scores = tl.dot(q_hi, k_hi_t, scores, input_precision=DOT_PRECISION)
             if pid_p == 0:
                 # The same-token columns of the score row are qk_dot[t, r, :] (rotation preserves dots).
-                qk_offs = (t_tok * R + r)[:, None] * R + row_u[None, :]
-                qk_mask = (tok[:, None] == row_t[None, :]) & tok_mask[:, None] & row_mask[None, :]
+                qk_offs = (t_q * R + q_rank)[:, None] * R + row_u[None, :]
+                qk_mask = (q_t[:, None] == row_t[None, :]) & q_mask[:, None] & row_mask[None, :]
                 tl.store(qk_dot_seq + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
 
             raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv, input_precision=DOT_PRECISION)
             y_state = tl.dot(q_lo, state_lo, input_precision=DOT_PRECISION)
             y_state = tl.dot(q_hi, state_hi, y_state, input_precision=DOT_PRECISION)
             raw_y += state_scale[:, None] * y_state
-            dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
-                raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip, psi_head, phi_ptr + h * R * P,
-                zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D)
+            if F == 1:
+                dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
+                    raw_y, rank_group, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q, d_skip, psi_head,
+                    phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D)
+            else:
+                dphi_acc, dzeta_acc, dz_acc = accumulate_rank_group_grads(
+                    raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q,
+                    d_skip, psi_head, phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, F, P,
+                    HAS_Z, HAS_D)
 
         if HAS_Z:
+            t_tok = t0 + tok
+            if F == 1:
+                dz_tok = dz_acc
+            else:
+                dz_tok = select_rows_sum(token_of_q, dz_acc, SUM_DTYPE)
             dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]
-            tl.store(dz_ptr + hp_seq + dz_offs, dz_acc.to(dz_ptr.dtype.element_ty),
-                     mask=tok_mask[:, None] & p_mask[None, :])
+            tl.store(dz_ptr + hp_seq + dz_offs, dz_tok.to(dz_ptr.dtype.element_ty),
+                     mask=((tok < C) & (t_tok < S))[:, None] & p_mask[None, :])
 
     part_offs = (bh * N_GROUPS + group) * R * P + ranks[:, None] * P + offs_p[None, :]
     part_mask = (ranks < R)[:, None] & p_mask[None, :]
@@ -140,18 +164,34 @@ def _chunk_output_kernel(
         tl.store(dzeta_ptr + part_offs, dzeta_acc, mask=part_mask)
 
 
-def output_meta(*, chunk_size, R, N, block_p):
+def output_meta(*, chunk_size, R, N, block_p, ranks_per_step=1):
     """Block sizes of the output kernel (every tl.dot dimension >= 16)."""
     return dict(BLOCK_C=max(16, triton.next_power_of_2(chunk_size)),
+                BLOCK_Q=max(16, triton.next_power_of_2(chunk_size * ranks_per_step)),
                 BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * R)),
                 BLOCK_R=triton.next_power_of_2(R), BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
-                BLOCK_P=block_p)
+                BLOCK_P=block_p, RANKS_PER_STEP=ranks_per_step)
+
+
+def sum_dtype(dot_dtype, device):
+    """Operand dtype of the dz rank sum with several ranks per step: bf16 (split hi/lo) for half inputs.
+
+    fp32 inputs sum exactly in fp32; the interpreter miscomputes bf16 products, so there half
+    inputs split in fp16 (the same code path, narrower range).
+    """
+    if dot_dtype == tl.float32:
+        return tl.float32
+    return tl.bfloat16 if device.type == "cuda" else tl.float16
 
 
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
-                 chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4):
+                 chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
+                 ranks_per_step=1):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
+
+    ``ranks_per_step`` query ranks share one query tile (rows = (token, rank) pairs), so a chunk takes
+    ceil(R / ranks_per_step) serial steps; 1 is the per-rank loop.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
         cos_angles, sin_angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
@@ -176,8 +216,9 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_program, n_groups,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
-        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p),
+        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, ranks_per_step=ranks_per_step),
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        SUM_DTYPE=sum_dtype(dot_dtype, q.device),
         num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

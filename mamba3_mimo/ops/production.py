@@ -41,7 +41,8 @@ class ScanConfig:
     block_p / block_half: P tile and N/2 tile of one state-scan program;
     n_segments: sequence segments scanned in parallel;
     out_block_p: P tile of the output stage; chunks_per_program: chunks one output program walks;
-    num_warps / out_num_warps: warps of the scan and of the output programs.
+    num_warps / out_num_warps: warps of the scan and of the output programs;
+    ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time).
     """
 
     block_p: int
@@ -51,12 +52,15 @@ class ScanConfig:
     chunks_per_program: int = 1
     num_warps: int = 4
     out_num_warps: int = 8
+    ranks_per_step: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
+        if self.ranks_per_step < 1:
+            raise ValueError(f"ScanConfig.ranks_per_step must be >= 1, got {self.ranks_per_step}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
         for name in ("num_warps", "out_num_warps"):
@@ -121,7 +125,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                dot_dtype=dot_dtype, dot_precision=dot_precision,
-                               num_warps=config.out_num_warps)
+                               num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step)
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).

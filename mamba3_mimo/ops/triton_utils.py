@@ -149,6 +149,23 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
 
 
 @triton.jit
+def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr):
+    """Per-element gradient terms of out = Phi * silu(z * Zeta) * raw_y (one query rank per element).
+
+    raw_y, dout, z: [rows, cols] fp32 (z unused without Z); phi, zeta: broadcastable to them.
+    Returns (dPhi term, dZeta term, dz term), each [rows, cols]; without Z the gate is 1 and the
+    last two are zeros.
+    """
+    if HAS_Z:
+        gate, dgate = silu_and_grad(z * zeta)
+        du = dout * phi * raw_y * dgate
+        return gate * raw_y * dout, du * z, du * zeta
+    else:
+        zero = tl.zeros_like(raw_y)
+        return raw_y * dout, zero, zero
+
+
+@triton.jit
 def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr):
     """Gradient pieces of one query rank r of out = sum_r Phi * silu(z * Zeta) * raw_y.
 
@@ -156,10 +173,49 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr):
     Returns (dPhi[r] token sum [cols], dZeta[r] token sum [cols], dz term of r [tokens, cols]);
     without Z the gate is 1 and the last two are zeros.
     """
+    dphi, dzeta, dz = gate_grad_terms(raw_y, dout_tok, z_tok, phi_r[None, :], zeta_r[None, :], HAS_Z)
+    return tl.sum(dphi, axis=0), tl.sum(dzeta, axis=0), dz
+
+
+@triton.jit
+def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_rows,
+                                dout_q, z_q, v_q, d_skip, psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks,
+                                offs_p, p_mask, F: tl.constexpr, P: tl.constexpr, HAS_Z: tl.constexpr,
+                                HAS_D: tl.constexpr):
+    """``accumulate_rank_grads`` for a query tile of F ranks: row i is token q_t[i], rank q_rank[i].
+
+    q_local = q_rank - rank_group * F (0..F-1); dz_rows: [rows, cols] running sum over rank groups,
+    still per (token, local rank) row: the caller sums its F rows per token once per chunk.
+    """
+    param_offs = q_rank * P
+    if HAS_D:
+        raw_y += (d_skip * v_q) * load_rows(psi_head_ptr, param_offs, q_mask, offs_p, p_mask)
+    phi_q = load_rows(phi_head_ptr, param_offs, q_mask, offs_p, p_mask)
+    zeta_q = load_rows(zeta_head_ptr, param_offs, q_mask & HAS_Z, offs_p, p_mask)
+    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z)
+    for j in tl.static_range(F):
+        in_rank = (q_local == j)[:, None]
+        is_acc_row = ranks[:, None] == rank_group * F + j
+        dphi_acc += tl.where(is_acc_row, tl.sum(tl.where(in_rank, dphi_q, 0.0), axis=0)[None, :], 0.0)
+        if HAS_Z:
+            dzeta_acc += tl.where(is_acc_row, tl.sum(tl.where(in_rank, dzeta_q, 0.0), axis=0)[None, :], 0.0)
     if HAS_Z:
-        gate, dgate = silu_and_grad(z_tok * zeta_r[None, :])
-        du = dout_tok * phi_r[None, :] * raw_y * dgate
-        return tl.sum(gate * raw_y * dout_tok, axis=0), tl.sum(du * z_tok, axis=0), du * zeta_r[None, :]
+        dz_rows += dz_q
+    return dphi_acc, dzeta_acc, dz_rows
+
+
+@triton.jit
+def select_rows_sum(selection, x, SUM_DTYPE: tl.constexpr):
+    """Sums of chosen rows: ``selection`` [M, rows] of 0/1 (bool) times ``x`` [rows, cols] fp32.
+
+    With SUM_DTYPE fp32 an exact ieee product.  With a half SUM_DTYPE the tensor cores take x
+    split in two, hi = x rounded and lo = the rest, so the sum keeps about twice that dtype's
+    mantissa (2^-16 relative in bf16): far inside the half-precision contract.
+    """
+    if SUM_DTYPE == tl.float32:
+        return tl.dot(selection.to(tl.float32), x, input_precision="ieee")
     else:
-        zero = tl.zeros_like(raw_y)
-        return tl.sum(raw_y * dout_tok, axis=0), tl.sum(zero, axis=0), zero
+        sel = selection.to(SUM_DTYPE)
+        hi = x.to(SUM_DTYPE)
+        lo = (x - hi.to(tl.float32)).to(SUM_DTYPE)
+        return tl.dot(sel, lo, tl.dot(sel, hi))
