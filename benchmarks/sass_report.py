@@ -1,0 +1,118 @@
+"""Static SASS instruction mix of the production kernels for sm_90, on a machine without a GPU.
+
+    python benchmarks/sass_report.py                          # N128_P64_R4_C16, dispatcher config
+    python benchmarks/sass_report.py --cases N16_P64_R4_C8 --config block_p=32,n_segments=8
+
+Both production kernels are bound by instruction issue and load latency, not by bytes or
+tensor-core FLOPs (docs/optimization.md, sections 9-11), so the instructions of their chunk loop
+are a first-order predictor of a change: this compiles each launch the way
+``benchmarks/aot_report.py`` does, disassembles the cubin with the cuobjdump in Triton's wheel,
+finds the largest loop (the backward branch spanning the most instructions) and counts its
+instructions by kind.
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import aot_report  # noqa: E402
+from mamba3_mimo import api  # noqa: E402
+from mamba3_mimo.bench import parse_case  # noqa: E402
+from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
+
+KINDS = {
+    "LDG": "global load", "STG": "global store", "LDS": "shared load", "STS": "shared store",
+    "LDSM": "shared load", "STSM": "shared store", "LDL": "local (spill) load", "STL": "local (spill) store",
+    "HGMMA": "tensor core", "HMMA": "tensor core", "WARPGROUP": "tensor core",
+    "FFMA": "fp32 math", "FMUL": "fp32 math", "FADD": "fp32 math", "FMNMX": "fp32 math", "MUFU": "transcendental",
+    "F2F": "convert", "F2FP": "convert", "I2F": "convert", "F2I": "convert", "I2FP": "convert",
+    "FSEL": "select", "SEL": "select", "FSETP": "compare", "ISETP": "compare", "PLOP3": "compare",
+    "IMAD": "integer / address", "IADD3": "integer / address", "VIADD": "integer / address",
+    "LEA": "integer / address", "SHF": "integer / address", "LOP3": "integer / address",
+    "IABS": "integer / address", "SGXT": "integer / address",
+    "MOV": "move", "PRMT": "move", "R2UR": "move", "P2R": "move", "R2P": "move",
+    "CS2R": "zero fill / special reg", "S2R": "zero fill / special reg", "SHFL": "shuffle",
+    "BAR": "barrier", "DEPBAR": "barrier", "WARPSYNC": "barrier",
+}
+
+
+def kind(opcode):
+    base = opcode.split(".")[0]
+    if base.startswith("U"):
+        return "uniform datapath"
+    return KINDS.get(base, "other")
+
+
+def sass_ops(kernel):
+    """[(address, opcode)] of a compiled kernel's SASS."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    return ops
+
+
+def largest_loop(ops):
+    """Opcodes between the target and the source of the longest backward branch (None if no loop)."""
+    best = None
+    for addr, opcode, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            span = (addr - int(target.group(1), 16), int(target.group(1), 16), addr)
+            best = max(best, span) if best else span
+    if best is None:
+        return None
+    return [opcode for addr, opcode, _ in ops if best[1] <= addr <= best[2]]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=["N128_P64_R4_C16"])
+    parser.add_argument("--config", help="ScanConfig fields as key=value,... (default: dispatcher)")
+    parser.add_argument("--no-z", action="store_true")
+    args = parser.parse_args(argv)
+    # Compile CPU tensors as CUDA ones, as aot_report does (nothing is launched).
+    api.interpreter_enabled = lambda: True
+    cuda = torch.device("cuda")
+    dot_operands, kernel_output_dtype = api.dot_operands, api.kernel_output_dtype
+    api.dot_operands = lambda dtypes, device: dot_operands(dtypes, cuda)
+    api.kernel_output_dtype = lambda dtype, device: kernel_output_dtype(dtype, cuda)
+    for case in args.cases:
+        shape = parse_case(case)
+        if args.config:
+            config = ScanConfig(**{k: int(v) for k, v in (kv.split("=") for kv in args.config.split(","))})
+        else:
+            config = choose_config(B=4, H=16, S=2048, num_sms=132, **shape)
+        inputs = aot_report.empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=not args.no_z, **shape)
+        launches = aot_report.capture_launches(
+            lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
+        seen = set()
+        for name, launch_args, kwargs in launches:
+            if name in seen:  # the two scan launches differ only in STORE_STATES; report the first
+                continue
+            seen.add(name)
+            ops = sass_ops(aot_report.compile_launch(name, launch_args, kwargs))
+            body = largest_loop(ops)
+            print(f"{case} {name}: {len(ops)} SASS instructions"
+                  + (f", largest loop body {len(body)}" if body else ", no loop"))
+            for group, count in collections.Counter(kind(op) for op in (body or [o for _, o, _ in ops])).most_common():
+                print(f"    {group:<24} {count:>5}")
+
+
+if __name__ == "__main__":
+    main()
