@@ -2,9 +2,9 @@
 
 Covers both implementations, the gate on and off, a partial last chunk (S % C != 0), several P
 tiles (one partial) and several sequence segments (production with an explicit ScanConfig), a rank
-that is not a power of two, grouped q/k heads, and fp32 / bf16 activations (different dot dtypes,
-so different compiled kernels).  Each call is checked against the other implementation, so a run
-that silently computes nothing fails too.
+that is not a power of two, grouped q/k heads, two query ranks per output step, and fp32 / bf16
+activations (different dot dtypes, so different compiled kernels).  Each call is checked against
+the other implementation, so a run that silently computes nothing fails too.
 
     python benchmarks/sanitize_driver.py [--list]
 """
@@ -21,6 +21,8 @@ NAMES = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
 F32, BF16 = torch.float32, torch.bfloat16
 # P = 40: tiles of 16, 16 and 8; N = 64: two N/2 tiles of 16; 5 chunks in 3 segments and groups of 2.
 SEGMENTS = ScanConfig(block_p=16, n_segments=3, block_half=16, out_block_p=16, chunks_per_program=2)
+# Two query ranks per output step (C = 8: 16 query rows of 8 tokens x 2 ranks), R = 3 leaves one rank alone.
+RANK_PAIRS = ScanConfig(block_p=32, n_segments=2, out_block_p=32, ranks_per_step=2)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -32,6 +34,10 @@ CASES = [
      dict(B=2, S=70, H=4, G=2, N=64, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("production-segments-noz", "production", SEGMENTS,
      dict(B=1, S=70, H=2, G=1, N=32, P=40, R=2, chunk_size=16, dtype=BF16, z=False, d=True)),
+    ("production-rankpairs-z", "production", RANK_PAIRS,
+     dict(B=1, S=44, H=2, G=1, N=64, P=32, R=3, chunk_size=8, dtype=BF16, z=True, d=True)),
+    ("production-rankpairs-f32", "production", RANK_PAIRS,
+     dict(B=1, S=40, H=2, G=2, N=64, P=32, R=4, chunk_size=8, dtype=F32, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,
