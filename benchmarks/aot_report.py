@@ -68,6 +68,23 @@ def compile_launch(name, args, kwargs):
     return triton.compile(source, target=TARGET, options=options.__dict__)
 
 
+def compile_as_cuda():
+    """Let CPU tensors through the API and compile them as CUDA ones would (bf16 products, bf16 outputs).
+
+    CPU tensors pass validation only in interpreter mode; nothing is launched by the callers here.
+    """
+    api.interpreter_enabled = lambda: True
+    cuda = torch.device("cuda")
+    dot_operands, kernel_output_dtype = api.dot_operands, api.kernel_output_dtype
+    api.dot_operands = lambda dtypes, device: dot_operands(dtypes, cuda)
+    api.kernel_output_dtype = lambda dtype, device: kernel_output_dtype(dtype, cuda)
+
+
+def parse_config(text):
+    """A ScanConfig from ``key=value,...`` (integer fields)."""
+    return ScanConfig(**{key: int(value) for key, value in (kv.split("=") for kv in text.split(","))})
+
+
 def resources(kernel):
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -123,14 +140,8 @@ def main(argv=None):
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     config = None
     if args.config:
-        config = ScanConfig(**{key: int(value) for key, value in (kv.split("=") for kv in args.config.split(","))})
-    # CPU tensors pass validation only in interpreter mode; nothing is launched here, so say so,
-    # and make the CPU tensors compile as CUDA ones would (bf16 products, bf16 outputs).
-    api.interpreter_enabled = lambda: True
-    cuda = torch.device("cuda")
-    dot_operands, kernel_output_dtype = api.dot_operands, api.kernel_output_dtype
-    api.dot_operands = lambda dtypes, device: dot_operands(dtypes, cuda)
-    api.kernel_output_dtype = lambda dtype, device: kernel_output_dtype(dtype, cuda)
+        config = parse_config(args.config)
+    compile_as_cuda()
     print(f"{'case':<17} {'impl':<10} {'kernel':<18} {'regs':>4} {'stack B':>7} {'smem KB':>7}  blocks")
     worst_smem = 0
     for case in args.cases:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import aot_report  # noqa: E402
 from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.bench import parse_case  # noqa: E402
-from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
+from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 KINDS = {
     "LDG": "global load", "STG": "global store", "LDS": "shared load", "STS": "shared store",
@@ -86,16 +86,11 @@ def main(argv=None):
     parser.add_argument("--config", help="ScanConfig fields as key=value,... (default: dispatcher)")
     parser.add_argument("--no-z", action="store_true")
     args = parser.parse_args(argv)
-    # Compile CPU tensors as CUDA ones, as aot_report does (nothing is launched).
-    api.interpreter_enabled = lambda: True
-    cuda = torch.device("cuda")
-    dot_operands, kernel_output_dtype = api.dot_operands, api.kernel_output_dtype
-    api.dot_operands = lambda dtypes, device: dot_operands(dtypes, cuda)
-    api.kernel_output_dtype = lambda dtype, device: kernel_output_dtype(dtype, cuda)
+    aot_report.compile_as_cuda()
     for case in args.cases:
         shape = parse_case(case)
         if args.config:
-            config = ScanConfig(**{k: int(v) for k, v in (kv.split("=") for kv in args.config.split(","))})
+            config = aot_report.parse_config(args.config)
         else:
             config = choose_config(B=4, H=16, S=2048, num_sms=132, **shape)
         inputs = aot_report.empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=not args.no_z, **shape)

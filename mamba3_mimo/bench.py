@@ -295,6 +295,10 @@ def run(args):
     return meta, records
 
 
+def geomean(values):
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
 def format_table(records):
     head = (f"{'case':<17} {'impl':<10} {'us':>8} {'graph us':>8} {'floor us':>8} {'x floor':>7} {'vs stage0':>9} "
             f"{'vs TileLang':>11} {'TFLOP/s':>7} {'first ms':>8} {'smem KB':>7} {'regs':>4} {'spill':>5}")
@@ -312,15 +316,14 @@ def format_table(records):
                      f"{r['first_call_ms']:>8.0f} {smem:>7.1f} {regs:>4} {spills:>5}")
     prod = [r for r in records if r["impl"] == "production" and "speedup_vs_tilelang" in r]
     if prod:
-        geo = math.exp(sum(math.log(r["speedup_vs_tilelang"]) for r in prod) / len(prod))
+        geo = geomean([r["speedup_vs_tilelang"] for r in prod])
         worst = min(r["speedup_vs_tilelang"] for r in prod)
-        floor_geo = math.exp(sum(math.log(r["floor_ratio"]) for r in prod) / len(prod))
+        floor_geo = geomean([r["floor_ratio"] for r in prod])
         lines.append(f"production vs TileLang: geomean {geo:.2f}x, worst case {worst:.2f}x; "
                      f"time/floor geomean {floor_geo:.2f}x, worst {max(r['floor_ratio'] for r in prod):.2f}x")
         graph = [r["graph_speedup_vs_tilelang"] for r in prod if "graph_speedup_vs_tilelang" in r]
         if graph:
-            graph_geo = math.exp(sum(math.log(x) for x in graph) / len(graph))
-            lines.append(f"production (graph replay) vs TileLang: geomean {graph_geo:.2f}x, "
+            lines.append(f"production (graph replay) vs TileLang: geomean {geomean(graph):.2f}x, "
                          f"worst case {min(graph):.2f}x")
     return "\n".join(lines)
 

@@ -143,12 +143,11 @@ PRODUCTION_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
-                         f"o{c.out_block_p}-g{c.chunks_per_program}-f{c.ranks_per_step}")
+                         f"o{c.out_block_p}-g{c.chunks_per_program}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""
     check_kernel("production", B=1, S=70, H=2, N=64, P=48, R=2, chunk_size=16, dtype=dtype, config=config)
-
 
 
 # Several query ranks per output step: R not divisible by the step (3 by 2), a step wider than R

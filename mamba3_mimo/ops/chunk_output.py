@@ -58,8 +58,6 @@ def _chunk_output_kernel(
     q_local = q_rows % F
     q_valid = q_rows < C * F
     tok = tl.arange(0, BLOCK_C)
-    # dz of token t sums its F query rows (F > 1 only).
-    token_of_q = (tok[:, None] == q_t[None, :]) & q_valid[None, :]
     offs_half = tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -151,7 +149,8 @@ def _chunk_output_kernel(
             t_tok = t0 + tok
             if F == 1:
                 dz_tok = dz_acc
-            else:
+            else:  # token t sums its F query rows
+                token_of_q = (tok[:, None] == q_t[None, :]) & q_valid[None, :]
                 dz_tok = select_rows_sum(token_of_q, dz_acc, SUM_DTYPE)
             dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]
             tl.store(dz_ptr + hp_seq + dz_offs, dz_tok.to(dz_ptr.dtype.element_ty),
@@ -179,9 +178,8 @@ def sum_dtype(dot_dtype, device):
     fp32 inputs sum exactly in fp32; the interpreter miscomputes bf16 products, so there half
     inputs split in fp16 (the same code path, narrower range).
     """
-    if dot_dtype == tl.float32:
-        return tl.float32
-    return tl.bfloat16 if device.type == "cuda" else tl.float16
+    # dot_dtype is fp32 or, for half inputs, fp16 on the CPU (api.dot_operands).
+    return tl.bfloat16 if dot_dtype != tl.float32 and device.type == "cuda" else dot_dtype
 
 
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
