@@ -21,8 +21,8 @@ case "$mode" in
     python3 benchmarks/smoke_gpu.py 2>&1 | tee "$OUT/smoke.log" || status=1
     ;;
   sweep)
-    python3 -m mamba3_mimo.bench --cases ${CASES:-quick} --impl production --sweep \
-      --json "$OUT/sweep.json" 2>&1 || status=1
+    python3 -m mamba3_mimo.bench --cases ${CASES:-quick} --impl production --sweep ${KNOBS:+--knobs $KNOBS} \
+      --input-sets 2 --json "$OUT/sweep.json" 2>&1 | grep -v '^    ' || status=1
     ;;
   tests|full)
     # Most important first.  (pytest -k applies to every file given, so the kernel grids get their own run.)

@@ -23,6 +23,9 @@ F32, BF16 = torch.float32, torch.bfloat16
 SEGMENTS = ScanConfig(block_p=16, n_segments=3, block_half=16, out_block_p=16, chunks_per_program=2)
 # Two query ranks per output step (C = 8: 16 query rows of 8 tokens x 2 ranks), R = 3 leaves one rank alone.
 RANK_PAIRS = ScanConfig(block_p=32, n_segments=2, out_block_p=32, ranks_per_step=2)
+# Chunks read in spans of 2 and 4 (7 chunks of 8 with a tail: partial spans, segments of whole spans).
+SPANS = ScanConfig(block_p=32, n_segments=3, out_block_p=32, out_span_chunks=2, end_span_chunks=2)
+WIDE_SPANS = ScanConfig(block_p=16, n_segments=2, out_block_p=32, out_span_chunks=4, end_span_chunks=4)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -38,6 +41,10 @@ CASES = [
      dict(B=1, S=44, H=2, G=1, N=64, P=32, R=3, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-rankpairs-f32", "production", RANK_PAIRS,
      dict(B=1, S=40, H=2, G=2, N=64, P=32, R=4, chunk_size=8, dtype=F32, z=True, d=True)),
+    ("production-spans-z", "production", SPANS,
+     dict(B=1, S=53, H=2, G=1, N=64, P=32, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
+    ("production-widespans-f32", "production", WIDE_SPANS,
+     dict(B=1, S=53, H=2, G=1, N=32, P=40, R=2, chunk_size=8, dtype=F32, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,

@@ -165,8 +165,8 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
     return first_ms, ms, graph_ms, resources
 
 
-def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms):
-    """Candidate production configs: the dispatcher's choice and one knob moved at a time."""
+def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
+    """Candidate production configs: the dispatcher's choice and one knob moved at a time (all knobs, or those named)."""
     import dataclasses
 
     from .ops.production import ScanConfig, choose_config
@@ -185,7 +185,14 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms):
         chunks_per_program=[1, 2, 4, 8],
         out_num_warps=[4, 8],
         ranks_per_step=[f for f in (2, 4) if f <= R and chunk_size * f <= 64],
+        out_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
+        end_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
     )
+    if knob_names is not None:
+        unknown = set(knob_names) - set(knobs)
+        if unknown:
+            raise ValueError(f"unknown sweep knobs {sorted(unknown)}; known: {sorted(knobs)}")
+        knobs = {name: knobs[name] for name in knob_names}
     candidates = {chosen}
     for name, values in knobs.items():
         for value in values:
@@ -251,7 +258,8 @@ def run(args):
         runs = [(impl, None) for impl in impls]
         if args.sweep:
             _, configs = sweep_configs(args.B, args.S, args.H, shape["N"], shape["P"], shape["R"],
-                                       shape["chunk_size"], props.multi_processor_count)
+                                       shape["chunk_size"], props.multi_processor_count,
+                                       knob_names=args.knobs.split(",") if args.knobs else None)
             runs = [("production", config) for config in configs] + [(i, None) for i in impls if i != "production"]
         case_records = []
         for impl, config in runs:
@@ -370,6 +378,7 @@ def main(argv=None):
     parser.add_argument("--G", type=int, default=1)
     parser.add_argument("--input-sets", type=int, default=3, help="input sets cycled through (L2 defeat)")
     parser.add_argument("--sweep", action="store_true", help="time candidate production configs")
+    parser.add_argument("--knobs", help="with --sweep: comma-separated ScanConfig fields to move (default: all)")
     parser.add_argument("--breakdown", action="store_true", help="also report device time per kernel")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="draw the chart here")

@@ -168,6 +168,29 @@ def test_production_ranks_per_step(check_kernel, case, dtype):
     check_kernel("production", B=1, S=case["S"], H=2, G=1 if case["R"] == 8 else 2, N=32, P=32, R=case["R"],
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 
+# Spans of chunks read as one (output stage and segment end states): spans that do not divide the
+# chunks (7 chunks of 8 in spans of 2 and 4; a tail chunk at S = 53), a span longer than the sequence,
+# spans with several segments (chunks_per_segment rounded up to whole spans), several ranks per step.
+SPAN_CASES = [
+    dict(S=53, chunk_size=8, out_span=2, end_span=2, n_segments=3, ranks_per_step=1, z=True),
+    dict(S=56, chunk_size=8, out_span=4, end_span=4, n_segments=2, ranks_per_step=1, z=True),
+    dict(S=37, chunk_size=4, out_span=4, end_span=2, n_segments=4, ranks_per_step=2, z=False),
+    dict(S=20, chunk_size=8, out_span=4, end_span=1, n_segments=1, ranks_per_step=1, z=True),
+]
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-o{c['out_span']}-"
+                         f"e{c['end_span']}-s{c['n_segments']}")
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_production_spans(check_kernel, case, dtype):
+    """Chunks taken in spans give the outputs of one chunk at a time (states are still per chunk)."""
+    config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=32,
+                        ranks_per_step=case["ranks_per_step"], out_span_chunks=case["out_span"],
+                        end_span_chunks=case["end_span"])
+    check_kernel("production", B=1, S=case["S"], H=2, G=1, N=32, P=32, R=2, chunk_size=case["chunk_size"],
+                 dtype=dtype, z=case["z"], config=config)
+
+
 def pad_to_whole_chunks(inputs):
     """The host padding of SPEC section 4: S -> nch * C."""
     C = inputs["chunk_size"]

@@ -26,6 +26,7 @@ from .triton_utils import (
     load_rows,
     load_token_discretization,
     select_rows_sum,
+    span_decay_offsets,
 )
 
 
@@ -38,11 +39,15 @@ def _chunk_output_kernel(
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
+    HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     F: tl.constexpr = RANKS_PER_STEP
+    # A program's unit is a span of SPAN_CHUNKS chunks (L tokens) read as one chunk: the outputs do not
+    # depend on where the chunks are cut, only ``states`` does, and it enters at the span start.
+    L: tl.constexpr = C * SPAN_CHUNKS
     pid_p = tl.program_id(0)
     group = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
@@ -50,13 +55,13 @@ def _chunk_output_kernel(
     h = bh % H
     g = h // HEADS_PER_GROUP
 
-    # Key side: rows are the chunk's (token, rank) pairs, row = t_local * R + u.
-    row_t, row_u, row_valid = chunk_rows(BLOCK_ROWS, C, R)
+    # Key side: rows are the span's (token, rank) pairs, row = t_local * R + u.
+    row_t, row_u, row_valid = chunk_rows(BLOCK_ROWS, L, R)
     # Query side: F ranks per step, row = t_local * F + local rank (F = 1: rows are tokens).
     q_rows = tl.arange(0, BLOCK_Q)
     q_t = q_rows // F
     q_local = q_rows % F
-    q_valid = q_rows < C * F
+    q_valid = q_rows < L * F
     tok = tl.arange(0, BLOCK_C)
     offs_half = tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
@@ -84,12 +89,13 @@ def _chunk_output_kernel(
     dphi_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
     dzeta_acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
     for j in range(0, CHUNKS_PER_PROGRAM):
-        c = group * CHUNKS_PER_PROGRAM + j
-        t0 = c * C
+        span = group * CHUNKS_PER_PROGRAM + j
+        t0 = span * L
+        first_chunk = span * SPAN_CHUNKS
         t_rows = t0 + row_t
         row_mask = row_valid & (t_rows < S)
         t_q = t0 + q_t
-        q_tok_mask = q_valid & (t_q < S)  # false for every row of a chunk past NCH
+        q_tok_mask = q_valid & (t_q < S)  # false for every row of a span past S
 
         # k~^T straight from memory, [N/2, rows] per half: the B operand of the score product.
         k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
@@ -99,11 +105,14 @@ def _chunk_output_kernel(
             da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
         da_q, _, gamma_q, _ = load_token_discretization(
             da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_q, S)
+        if SPAN_CHUNKS > 1:
+            da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
+            da_q += span_decay_offsets(da_cs_seq, t_q, t0, S, C, SPAN_CHUNKS)[0]
         weights = intra_chunk_weights(q_t, row_t, q_tok_mask, row_mask, da_q, da_rows, gamma_q, ts_rows)
         psiv = (load_rows(v_ptr + hp_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows).to(DOT_DTYPE)
 
-        state_tile = states_ptr + bh * NCH * N * P + c * N * P + offs_half[:, None] * P + offs_p[None, :]
-        state_mask = half_mask[:, None] & p_mask[None, :] & (c < NCH)
+        state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + offs_half[:, None] * P + offs_p[None, :]
+        state_mask = half_mask[:, None] & p_mask[None, :] & (first_chunk < NCH)
         state_lo = tl.load(state_tile, mask=state_mask, other=0.0).to(DOT_DTYPE)
         state_hi = tl.load(state_tile + HALF * P, mask=state_mask, other=0.0).to(DOT_DTYPE)
         state_scale = tl.exp(da_q)
@@ -154,7 +163,7 @@ def _chunk_output_kernel(
                 dz_tok = select_rows_sum(token_of_q, dz_acc, SUM_DTYPE)
             dz_offs = t_tok.to(tl.int64)[:, None] * (H * P) + offs_p[None, :]
             tl.store(dz_ptr + hp_seq + dz_offs, dz_tok.to(dz_ptr.dtype.element_ty),
-                     mask=((tok < C) & (t_tok < S))[:, None] & p_mask[None, :])
+                     mask=((tok < L) & (t_tok < S))[:, None] & p_mask[None, :])
 
     part_offs = (bh * N_GROUPS + group) * R * P + ranks[:, None] * P + offs_p[None, :]
     part_mask = (ranks < R)[:, None] & p_mask[None, :]
@@ -163,13 +172,14 @@ def _chunk_output_kernel(
         tl.store(dzeta_ptr + part_offs, dzeta_acc, mask=part_mask)
 
 
-def output_meta(*, chunk_size, R, N, block_p, ranks_per_step=1):
-    """Block sizes of the output kernel (every tl.dot dimension >= 16)."""
-    return dict(BLOCK_C=max(16, triton.next_power_of_2(chunk_size)),
-                BLOCK_Q=max(16, triton.next_power_of_2(chunk_size * ranks_per_step)),
-                BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * R)),
+def output_meta(*, chunk_size, R, N, block_p, ranks_per_step=1, span_chunks=1):
+    """Block sizes of the output kernel (every tl.dot dimension >= 16); a program's unit is span_chunks chunks."""
+    span = chunk_size * span_chunks
+    return dict(BLOCK_C=max(16, triton.next_power_of_2(span)),
+                BLOCK_Q=max(16, triton.next_power_of_2(span * ranks_per_step)),
+                BLOCK_ROWS=max(16, triton.next_power_of_2(span * R)),
                 BLOCK_R=triton.next_power_of_2(R), BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
-                BLOCK_P=block_p, RANKS_PER_STEP=ranks_per_step)
+                BLOCK_P=block_p, RANKS_PER_STEP=ranks_per_step, SPAN_CHUNKS=span_chunks)
 
 
 def sum_dtype(dot_dtype, device):
@@ -185,8 +195,12 @@ def sum_dtype(dot_dtype, device):
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
                  chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
-                 ranks_per_step=1):
+                 ranks_per_step=1, span_chunks=1):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
+
+    A program's unit is a span of ``span_chunks`` chunks treated as one chunk of span_chunks * C
+    tokens (same outputs; it reads the state entering the span's first chunk), and it walks
+    ``chunks_per_program`` spans.
 
     ``ranks_per_step`` query ranks share one query tile (rows = (token, rank) pairs), so a chunk takes
     ceil(R / ranks_per_step) serial steps; 1 is the per-rank loop.
@@ -198,12 +212,13 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         qk_dot: [B, H, S, R, R]; dz: [B, S, H, P] or None.
     Returns:
         dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 with
-        n_groups = cdiv(nch, chunks_per_program) (dzeta None without Z); the caller sums dim 2.
+        n_groups = cdiv(cdiv(nch, span_chunks), chunks_per_program) (dzeta None without Z); the caller
+        sums dim 2.
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     nch = triton.cdiv(S, chunk_size)
-    n_groups = triton.cdiv(nch, chunks_per_program)
+    n_groups = triton.cdiv(triton.cdiv(nch, span_chunks), chunks_per_program)
     has_z = z is not None
     dphi = torch.empty((B, H, n_groups, R, P), device=q.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
@@ -214,7 +229,8 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_program, n_groups,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
-        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, ranks_per_step=ranks_per_step),
+        **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, ranks_per_step=ranks_per_step,
+                      span_chunks=span_chunks),
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         SUM_DTYPE=sum_dtype(dot_dtype, q.device),
         num_warps=num_warps, num_stages=1,

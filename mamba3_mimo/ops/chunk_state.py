@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import chunk_rows, load_rotated_gather, load_rows, load_token_discretization
+from .triton_utils import chunk_rows, load_rotated_gather, load_rows, load_token_discretization, span_decay_offsets
 
 
 @triton.jit
@@ -30,9 +30,13 @@ def _state_scan_kernel(
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
-    STORE_STATES: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
+    # Without STORE_STATES only a segment's end state is wanted, so a step may take a span of
+    # SPAN_CHUNKS chunks (L tokens) at once; CHUNKS_PER_SEG is then a multiple of SPAN_CHUNKS.
+    tl.static_assert(SPAN_CHUNKS == 1 or not STORE_STATES)
+    L: tl.constexpr = C * SPAN_CHUNKS
     P_TILES: tl.constexpr = (P + BLOCK_P - 1) // BLOCK_P
     pid_n = tl.program_id(0) // P_TILES
     pid_p = tl.program_id(0) % P_TILES
@@ -42,8 +46,8 @@ def _state_scan_kernel(
     h = bh % H
     g = h // HEADS_PER_GROUP
 
-    # Rows are the chunk's (token, rank) pairs, row = t_local * R + r.
-    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, C, R)
+    # Rows are the span's (token, rank) pairs, row = t_local * R + r.
+    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, L, R)
     offs_half = pid_n * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -74,10 +78,11 @@ def _state_scan_kernel(
             state_hi = state_hi * seg_decay + tl.load(end_state + HALF * P + tile_offs, mask=tile_mask, other=0.0)
 
     states_seq = states_ptr + bh * NCH * N * P
-    for i in range(0, CHUNKS_PER_SEG):
-        c = seg * CHUNKS_PER_SEG + i
-        t_rows = c * C + row_t
-        row_mask = row_valid & (t_rows < S)  # false for every row of a chunk past NCH
+    for i in range(0, CHUNKS_PER_SEG // SPAN_CHUNKS):
+        c = seg * CHUNKS_PER_SEG + i * SPAN_CHUNKS  # first chunk of the span
+        t0 = c * C
+        t_rows = t0 + row_t
+        row_mask = row_valid & (t_rows < S)  # false for every row of a span past S
         if STORE_STATES:
             chunk_mask = tile_mask & (c < NCH)
             tl.store(states_seq + c * N * P + tile_offs, state_lo.to(states_ptr.dtype.element_ty), mask=chunk_mask)
@@ -90,13 +95,16 @@ def _state_scan_kernel(
                                              N, RD, DOT_DTYPE, TRANSPOSED=True)
         _, da_rev, _, trap_scale = load_token_discretization(
             da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
-        # exp(da_cs_rev) decays each token to the chunk end; it weighs psiv rows, not k~.
+        # exp(da_cs_rev) decays each token to the span end; it weighs psiv rows, not k~.
+        _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
+        if SPAN_CHUNKS > 1:
+            da_rev += later
         k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
         psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows * k_weight[:, None]
         psiv_w = psiv_w.to(DOT_DTYPE)
-        chunk_decay = tl.where(c < NCH, tl.exp(tl.load(da_cs_seq + tl.minimum(c * C + C - 1, S - 1))), 1.0)
-        state_lo = state_lo * chunk_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
-        state_hi = state_hi * chunk_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
+        span_decay = tl.exp(span_log_decay)
+        state_lo = state_lo * span_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
+        state_hi = state_hi * span_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
 
     if not STORE_STATES:
         end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P
@@ -104,18 +112,22 @@ def _state_scan_kernel(
         tl.store(end_state + HALF * P + tile_offs, state_hi, mask=tile_mask)
 
 
-def scan_meta(*, chunk_size, R, N, block_half, block_p):
-    """Block sizes of the state scan: rows = (token, rank) pairs of a chunk, >= 16 for tl.dot."""
-    return dict(BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * R)),
-                BLOCK_HALF=max(16, min(block_half, triton.next_power_of_2(N // 2))), BLOCK_P=block_p)
+def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
+    """Block sizes of the state scan: rows = (token, rank) pairs of a span of chunks, >= 16 for tl.dot."""
+    return dict(BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * span_chunks * R)),
+                BLOCK_HALF=max(16, min(block_half, triton.next_power_of_2(N // 2))), BLOCK_P=block_p,
+                SPAN_CHUNKS=span_chunks)
 
 
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
-            num_warps, store_states, segments_launched):
+            num_warps, store_states, segments_launched, span_chunks=1):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
-    meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_half=block_half, block_p=block_p)
+    if chunks_per_segment % span_chunks:
+        raise ValueError(f"chunks_per_segment={chunks_per_segment} is not a multiple of span_chunks={span_chunks}")
+    meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_half=block_half, block_p=block_p,
+                     span_chunks=span_chunks)
     tiles = triton.cdiv(N // 2, meta["BLOCK_HALF"]) * triton.cdiv(P, block_p)
     _state_scan_kernel[(tiles, segments_launched, B * H)](
         k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
@@ -127,14 +139,14 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, d
     )
 
 
-def segment_end_states(*, n_segments, **scan_args):
-    """End state of every segment but the last, each scanned from a zero state.
+def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
+    """End state of every segment but the last, each scanned from a zero state, span_chunks chunks a step.
 
     Args (contiguous; see ``mamba3_mimo.api`` for validation), passed on to the kernel launch:
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, dt: [B, H, S] fp32;
         trap: [B, H, S]; chunk_size, n_segments, chunks_per_segment, block_half, block_p,
-        dot_dtype, dot_precision, num_warps.
+        dot_dtype, dot_precision, num_warps; chunks_per_segment must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).
@@ -145,7 +157,7 @@ def segment_end_states(*, n_segments, **scan_args):
     H, P = scan_args["v"].shape[2:]
     seg_state = torch.empty((B, H, n_segments, N, P), device=scan_args["k"].device, dtype=torch.float32)
     _launch(**scan_args, n_segments=n_segments, seg_state=seg_state, states=seg_state, store_states=False,
-            segments_launched=n_segments - 1)
+            segments_launched=n_segments - 1, span_chunks=span_chunks)
     return seg_state
 
 

@@ -27,6 +27,8 @@ SCAN_PROGRAMS_PER_SM = 4
 WIDE_TILE_PROGRAMS_PER_SM = 2
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
+# (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
+SPAN_ROWS = 64
 
 
 def _check_tile(name, value):
@@ -42,7 +44,10 @@ class ScanConfig:
     n_segments: sequence segments scanned in parallel;
     out_block_p: P tile of the output stage; chunks_per_program: chunks one output program walks;
     num_warps / out_num_warps: warps of the scan and of the output programs;
-    ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time).
+    ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
+    out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
+    one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
+    does, so the scan that writes it steps one chunk at a time).
     """
 
     block_p: int
@@ -53,14 +58,17 @@ class ScanConfig:
     num_warps: int = 4
     out_num_warps: int = 8
     ranks_per_step: int = 1
+    out_span_chunks: int = 1
+    end_span_chunks: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
-        if self.ranks_per_step < 1:
-            raise ValueError(f"ScanConfig.ranks_per_step must be >= 1, got {self.ranks_per_step}")
+        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
         for name in ("num_warps", "out_num_warps"):
@@ -89,8 +97,14 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
     out_num_warps = 8 if N >= 64 else 4
+    # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
+    # that do not write per-chunk states: fewer, fuller serial steps (the C = 8 shapes).
+    span_chunks = 1
+    while 2 * span_chunks * chunk_size * triton.next_power_of_2(R) <= SPAN_ROWS and 2 * span_chunks <= nch:
+        span_chunks *= 2
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
-                      chunks_per_program=chunks_per_program, out_num_warps=out_num_warps)
+                      chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
+                      out_span_chunks=span_chunks, end_span_chunks=span_chunks)
 
 
 def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
@@ -103,7 +117,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
     nch = triton.cdiv(S, chunk_size)
-    chunks_per_segment = triton.cdiv(nch, config.n_segments)
+    span = config.end_span_chunks
+    chunks_per_segment = triton.cdiv(triton.cdiv(nch, config.n_segments), span) * span
     # cos/sin once per (token, head), not once per (row, program) inside the kernels.
     cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
@@ -111,7 +126,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 n_segments=triton.cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps)
-    seg_state = segment_end_states(**scan)
+    seg_state = segment_end_states(**scan, span_chunks=span)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
@@ -125,7 +140,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                dot_dtype=dot_dtype, dot_precision=dot_precision,
-                               num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step)
+                               num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
+                               span_chunks=config.out_span_chunks)
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).

@@ -53,6 +53,30 @@ def load_token_discretization(da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, t_abs, S)
 
 
 @triton.jit
+def span_decay_offsets(da_cs_seq_ptr, t_abs, span_start, S, C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
+    """Re-base the chunk-local cumsum ``da_cs`` to a span of SPAN_CHUNKS consecutive chunks.
+
+    ``da_cs`` restarts at every chunk, so across a span starting at ``span_start`` the log decay
+    from the span start to t is ``da_cs[t] + earlier[t]`` and from t to the span end
+    ``da_cs_rev[t] + later[t]``, with earlier / later the whole log decays of the span's chunks
+    before / after t's chunk.  Returns (earlier, later) shaped like ``t_abs`` and the span's total
+    log decay (a scalar).  Chunks that start past S decay nothing (they are padding).
+    """
+    sub_chunk = (t_abs - span_start) // C
+    earlier = tl.zeros(t_abs.shape, dtype=tl.float32)
+    later = tl.zeros(t_abs.shape, dtype=tl.float32)
+    total = 0.0
+    for i in tl.static_range(SPAN_CHUNKS):
+        chunk_start = span_start + i * C
+        chunk_end = tl.minimum(chunk_start + C - 1, S - 1)
+        chunk_log_decay = tl.where(chunk_start < S, tl.load(da_cs_seq_ptr + chunk_end).to(tl.float32), 0.0)
+        earlier += tl.where(sub_chunk > i, chunk_log_decay, 0.0)
+        later += tl.where(sub_chunk < i, chunk_log_decay, 0.0)
+        total += chunk_log_decay
+    return earlier, later, total
+
+
+@triton.jit
 def intra_chunk_weights(row_t, col_t, row_mask, col_mask, da_row, da_col, gamma_row, ts_col):
     """Causal weights of the folded chunk score matrix [rows, cols].
 
