@@ -99,12 +99,19 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     out_num_warps = 8 if N >= 64 else 4
     # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
     # that do not write per-chunk states: fewer, fuller serial steps (the C = 8 shapes).
+    # Sweep of 0ab35d8 (2026-12-03_h200_sweep_0ab35d8.json, graph us): spans of 2 chunks of 8 cut
+    # N16_P64_R4_C8 494 -> 359, N256_P64_R4_C8 1812 -> 1296, N128_P128_R4_C8 1746 -> 1257; spans of
+    # 128 rows lose (N128_P64_R4_C16 621 -> 753, N128_P64_R8_C8 1542 -> 1472 only); the end-state scan
+    # gains ~1% from spans of 64 rows and spills at 128.
     span_chunks = 1
     while 2 * span_chunks * chunk_size * triton.next_power_of_2(R) <= SPAN_ROWS and 2 * span_chunks <= nch:
         span_chunks *= 2
+    # A query tile shorter than 16 tokens (tl.dot pads it to 16 rows) takes two ranks per step instead:
+    # N128_P64_R8_C8 1542 -> 1317 us; on full tiles more ranks per step spill (N128_P64_R4_C16 621 -> 861).
+    ranks_per_step = max(1, min(R, 16 // (chunk_size * span_chunks)))
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
-                      out_span_chunks=span_chunks, end_span_chunks=span_chunks)
+                      ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks)
 
 
 def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
