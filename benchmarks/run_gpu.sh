@@ -26,7 +26,7 @@ case "$mode" in
     ;;
   tests|full)
     # Most important first.  (pytest -k applies to every file given, so the kernel grids get their own run.)
-    OUT="$(mktemp -d)" timeout 120 bash benchmarks/sanitize.sh 2>&1 | tail -n 40 | tee "$OUT/sanitize.log" || status=1
+    OUT="$(mktemp -d)" timeout 150 bash benchmarks/sanitize.sh 2>&1 | tail -n 40 | tee "$OUT/sanitize.log" || status=1
     timeout 160 python3 -m pytest -q -p no:warnings -rs tests/test_robustness.py tests/test_custom_op.py \
       tests/test_triton_utils.py 2>&1 | tail -n 30 | tee "$OUT/tests_robustness.log" || status=1
     timeout 130 python3 -m pytest -q -p no:warnings tests/test_kernels.py -k "gpu or official" 2>&1 \
