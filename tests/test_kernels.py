@@ -92,7 +92,9 @@ def test_rank(check_kernel, impl, R):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("divisor", [2, 4])
 def test_rotary_dim_divisor(check_kernel, impl, divisor):
-    check_kernel(impl, B=1, S=32, H=2, N=32, P=16, R=2, chunk_size=16, dtype=F32, rotary_dim_divisor=divisor)
+    # H * R * P = 256 dmimo_o elements: with 64 one near-zero element decided the dual-benchmark mean
+    # (docs/practice.md, "MERE on small outputs").
+    check_kernel(impl, B=1, S=32, H=4, N=32, P=32, R=2, chunk_size=16, dtype=F32, rotary_dim_divisor=divisor)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
