@@ -9,11 +9,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from .ops.production import production_bwd_fwd
 from .ops.stage0 import stage0_bwd_fwd
+from .ops.host_utils import cdiv, next_power_of_2
 
 IMPLEMENTATIONS = ("production", "stage0")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -110,11 +110,11 @@ def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs
     RD = N // rotary_dim_divisor
     if RD > N // 2:
         raise ValueError(f"rotary dim N // rotary_dim_divisor = {RD} exceeds N/2 = {N // 2}")
-    rows = triton.next_power_of_2(chunk_size) * triton.next_power_of_2(R)
+    rows = next_power_of_2(chunk_size) * next_power_of_2(R)
     if rows > MAX_CHUNK_ROWS:
-        raise ValueError(f"chunk_size * next_pow2(R) = {chunk_size} * {triton.next_power_of_2(R)} = {rows} "
+        raise ValueError(f"chunk_size * next_pow2(R) = {chunk_size} * {next_power_of_2(R)} = {rows} "
                          f"exceeds {MAX_CHUNK_ROWS}: use a smaller chunk_size")
-    nch = triton.cdiv(S, chunk_size)
+    nch = cdiv(S, chunk_size)
     # Offsets inside one batch element are int32 in the kernels (int64 per-element index tiles
     # would double their registers); the batch/head bases are int64.
     per_batch = dict(q=S * R * G * N, v=S * H * P, angles=S * H * RD, states=H * nch * N * P, qk_dot=H * S * R * R)

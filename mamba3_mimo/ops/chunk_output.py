@@ -28,6 +28,7 @@ from .triton_utils import (
     select_rows_sum,
     span_decay_offsets,
 )
+from .host_utils import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -175,10 +176,10 @@ def _chunk_output_kernel(
 def output_meta(*, chunk_size, R, N, block_p, ranks_per_step=1, span_chunks=1):
     """Block sizes of the output kernel (every tl.dot dimension >= 16); a program's unit is span_chunks chunks."""
     span = chunk_size * span_chunks
-    return dict(BLOCK_C=max(16, triton.next_power_of_2(span)),
-                BLOCK_Q=max(16, triton.next_power_of_2(span * ranks_per_step)),
-                BLOCK_ROWS=max(16, triton.next_power_of_2(span * R)),
-                BLOCK_R=triton.next_power_of_2(R), BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
+    return dict(BLOCK_C=max(16, next_power_of_2(span)),
+                BLOCK_Q=max(16, next_power_of_2(span * ranks_per_step)),
+                BLOCK_ROWS=max(16, next_power_of_2(span * R)),
+                BLOCK_R=next_power_of_2(R), BLOCK_HALF=max(16, next_power_of_2(N // 2)),
                 BLOCK_P=block_p, RANKS_PER_STEP=ranks_per_step, SPAN_CHUNKS=span_chunks)
 
 
@@ -217,12 +218,12 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
-    nch = triton.cdiv(S, chunk_size)
-    n_groups = triton.cdiv(triton.cdiv(nch, span_chunks), chunks_per_program)
+    nch = cdiv(S, chunk_size)
+    n_groups = cdiv(cdiv(nch, span_chunks), chunks_per_program)
     has_z = z is not None
     dphi = torch.empty((B, H, n_groups, R, P), device=q.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
-    _chunk_output_kernel[(triton.cdiv(P, block_p), n_groups, B * H)](
+    _chunk_output_kernel[(cdiv(P, block_p), n_groups, B * H)](
         q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
         q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
         da_cs, da_cs_rev, dt, trap, states,

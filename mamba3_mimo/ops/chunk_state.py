@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_utils import chunk_rows, load_rotated_gather, load_rows, load_token_discretization, span_decay_offsets
+from .host_utils import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -114,8 +115,8 @@ def _state_scan_kernel(
 
 def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
     """Block sizes of the state scan: rows = (token, rank) pairs of a span of chunks, >= 16 for tl.dot."""
-    return dict(BLOCK_ROWS=max(16, triton.next_power_of_2(chunk_size * span_chunks * R)),
-                BLOCK_HALF=max(16, min(block_half, triton.next_power_of_2(N // 2))), BLOCK_P=block_p,
+    return dict(BLOCK_ROWS=max(16, next_power_of_2(chunk_size * span_chunks * R)),
+                BLOCK_HALF=max(16, min(block_half, next_power_of_2(N // 2))), BLOCK_P=block_p,
                 SPAN_CHUNKS=span_chunks)
 
 
@@ -128,12 +129,12 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, d
         raise ValueError(f"chunks_per_segment={chunks_per_segment} is not a multiple of span_chunks={span_chunks}")
     meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_half=block_half, block_p=block_p,
                      span_chunks=span_chunks)
-    tiles = triton.cdiv(N // 2, meta["BLOCK_HALF"]) * triton.cdiv(P, block_p)
+    tiles = cdiv(N // 2, meta["BLOCK_HALF"]) * cdiv(P, block_p)
     _state_scan_kernel[(tiles, segments_launched, B * H)](
         k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
-        S, H, G, H // G, triton.cdiv(S, chunk_size), chunks_per_segment, n_segments,
+        S, H, G, H // G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,
-        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment),
+        BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=num_warps, num_stages=1,
     )

@@ -12,13 +12,14 @@ the GPU, and the chunk groups of the output stage.  Every config covers the
 whole contract, so the choice is about speed only.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .chunk_output import chunk_output
 from .chunk_state import chunk_states, segment_end_states
+from .host_utils import cdiv, next_power_of_2
 
 # Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
 # [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two with [2 x 64, 64] tiles (254
@@ -76,11 +77,13 @@ class ScanConfig:
                 raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
 
 
+# Cached: a call's host work is several times the device time on small problems (benchmarks/host_profile.py).
+@functools.lru_cache(maxsize=256)
 def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md)."""
-    nch = triton.cdiv(S, chunk_size)
-    p_pow = max(16, triton.next_power_of_2(P))
-    half_pow = max(16, triton.next_power_of_2(N // 2))
+    nch = cdiv(S, chunk_size)
+    p_pow = max(16, next_power_of_2(P))
+    half_pow = max(16, next_power_of_2(N // 2))
     # Measured on the H200 (benchmarks/results/2026-12-03_h200_sweep_723dec1.json): a 64-wide P
     # tile wins at N = 128 (702 vs 806 us), 32 at N = 16; 4 output warps win at N = 16 (497 vs
     # 648 us), 8 at N = 128 (806 vs 839 us).
@@ -88,9 +91,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # again (N128_P64_R4_C16 640 vs 706 us, N128_P64_R8_C8 1576 vs 1700).
     block_p = min(p_pow, 64 if N >= 128 else 32)
     block_half = min(half_pow, 64 if N >= 128 else 32)
-    tiles = triton.cdiv(half_pow, block_half) * triton.cdiv(p_pow, block_p)
+    tiles = cdiv(half_pow, block_half) * cdiv(p_pow, block_p)
     per_sm = WIDE_TILE_PROGRAMS_PER_SM if block_half >= 64 else SCAN_PROGRAMS_PER_SM
-    want_segments = triton.next_power_of_2(triton.cdiv(per_sm * num_sms, B * H * tiles))
+    want_segments = next_power_of_2(cdiv(per_sm * num_sms, B * H * tiles))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
@@ -104,7 +107,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # 128 rows lose (N128_P64_R4_C16 621 -> 753, N128_P64_R8_C8 1542 -> 1472 only); the end-state scan
     # gains ~1% from spans of 64 rows and spills at 128.
     span_chunks = 1
-    while 2 * span_chunks * chunk_size * triton.next_power_of_2(R) <= SPAN_ROWS and 2 * span_chunks <= nch:
+    while 2 * span_chunks * chunk_size * next_power_of_2(R) <= SPAN_ROWS and 2 * span_chunks <= nch:
         span_chunks *= 2
     # A query tile shorter than 16 tokens (tl.dot pads it to 16 rows) takes two ranks per step instead:
     # N128_P64_R8_C8 1542 -> 1317 us; on full tiles more ranks per step spill (N128_P64_R4_C16 621 -> 861).
@@ -114,6 +117,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                        da_cs, da_cs_rev, dt, trap, states, qk_dot, dmimo_o, dmimo_z, dz,
                        chunk_size, dot_dtype, dot_precision, config=None):
@@ -121,16 +129,16 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     if config is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
-    nch = triton.cdiv(S, chunk_size)
+    nch = cdiv(S, chunk_size)
     span = config.end_span_chunks
-    chunks_per_segment = triton.cdiv(triton.cdiv(nch, config.n_segments), span) * span
+    chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
     # cos/sin once per (token, head), not once per (row, program) inside the kernels.
     cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
-                n_segments=triton.cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
+                n_segments=cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps)
     seg_state = segment_end_states(**scan, span_chunks=span)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .triton_utils import accumulate_rank_grads, chunk_rows, load_rotated_gather, load_rows, load_token_discretization
+from .host_utils import cdiv, next_power_of_2
 
 @triton.jit
 def _rotary_kernel(
@@ -175,19 +176,19 @@ def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, 
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = angles.shape[3]
-    nch = triton.cdiv(S, chunk_size)
+    nch = cdiv(S, chunk_size)
     has_z = z is not None
-    block_rows = max(16, triton.next_power_of_2(chunk_size * R))
+    block_rows = max(16, next_power_of_2(chunk_size * R))
     q_rot = torch.empty((B, H, S, R, N), device=q.device, dtype=torch.float32)
     k_rot = torch.empty_like(q_rot)
     _rotary_kernel[(nch, B * H)](
         q, k, torch.cos(angles), torch.sin(angles), q_bias, k_bias, q_rot, k_rot, S, H, G, H // G,
         C=chunk_size, R=R, N=N, RD=RD, BLOCK_ROWS=block_rows,
-        BLOCK_HALF=max(16, triton.next_power_of_2(N // 2)),
+        BLOCK_HALF=max(16, next_power_of_2(N // 2)),
     )
     _qk_dot_kernel[(nch, B * H)](
         q_rot, k_rot, qk_dot, S, C=chunk_size, R=R, N=N,
-        BLOCK_ROWS=block_rows, BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_ROWS=block_rows, BLOCK_N=max(16, next_power_of_2(N)),
     )
     _serial_scan_kernel[(B * H,)](
         q_rot, k_rot, v, dout, z if has_z else dout,
@@ -196,9 +197,9 @@ def stage0_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, 
         states, dz if has_z else states, dmimo_o, dmimo_z if has_z else dmimo_o,
         S, H, nch,
         C=chunk_size, R=R, N=N, P=P,
-        BLOCK_C=max(16, triton.next_power_of_2(chunk_size)), BLOCK_ROWS=block_rows,
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_N=max(16, triton.next_power_of_2(N)),
-        BLOCK_P=max(16, triton.next_power_of_2(P)),
+        BLOCK_C=max(16, next_power_of_2(chunk_size)), BLOCK_ROWS=block_rows,
+        BLOCK_R=next_power_of_2(R), BLOCK_N=max(16, next_power_of_2(N)),
+        BLOCK_P=max(16, next_power_of_2(P)),
         HAS_Z=has_z, HAS_D=d is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         # One stage: the chunk loop's loads are not multi-buffered.  The default (3) asked the
