@@ -166,7 +166,10 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
 
 
 def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
-    """Candidate production configs: the dispatcher's choice and one knob moved at a time (all knobs, or those named)."""
+    """Candidate production configs: the dispatcher's choice and one knob moved at a time.
+
+    ``knob_names``: the ScanConfig fields to move (default: every knob below).
+    """
     import dataclasses
 
     from .ops.production import ScanConfig, choose_config
