@@ -168,9 +168,11 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
 def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
     """Candidate production configs: the dispatcher's choice and one knob moved at a time.
 
-    ``knob_names``: the ScanConfig fields to move (default: every knob below).
+    ``knob_names``: the ScanConfig fields to move (default: every knob below); a name of the form
+    ``a+b`` moves a and b together (every pair of their values).
     """
     import dataclasses
+    import itertools
 
     from .ops.production import ScanConfig, choose_config
 
@@ -186,21 +188,22 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
         num_warps=[2, 4, 8],
         out_block_p=[p for p in (32, 64, 128) if p <= p_pow],
         chunks_per_program=[1, 2, 4, 8],
-        out_num_warps=[4, 8],
+        out_num_warps=[4, 8, 16],
         ranks_per_step=[f for f in (2, 4) if f <= R and chunk_size * f <= 64],
         out_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         end_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
     )
+    groups = [(name,) for name in knobs]
     if knob_names is not None:
-        unknown = set(knob_names) - set(knobs)
+        groups = [tuple(name.split("+")) for name in knob_names]
+        unknown = {name for group in groups for name in group} - set(knobs)
         if unknown:
             raise ValueError(f"unknown sweep knobs {sorted(unknown)}; known: {sorted(knobs)}")
-        knobs = {name: knobs[name] for name in knob_names}
     candidates = {chosen}
-    for name, values in knobs.items():
-        for value in values:
+    for group in groups:
+        for values in itertools.product(*(knobs[name] for name in group)):
             try:
-                candidates.add(dataclasses.replace(chosen, **{name: value}))
+                candidates.add(dataclasses.replace(chosen, **dict(zip(group, values))))
             except ValueError:
                 continue
     order = [f.name for f in dataclasses.fields(ScanConfig)]

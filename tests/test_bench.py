@@ -1,0 +1,50 @@
+"""CPU checks of the benchmark's pure parts: case names, sweep candidates, geomean."""
+
+import dataclasses
+
+import pytest
+
+from mamba3_mimo.bench import geomean, parse_case, sweep_configs
+from mamba3_mimo.ops.production import choose_config
+
+SHAPE = dict(B=4, S=2048, H=16, N=64, P=128, R=4, chunk_size=16, num_sms=132)
+
+
+def test_parse_case():
+    assert parse_case("N128_P64_R8_C8") == dict(N=128, P=64, R=8, chunk_size=8)
+
+
+def test_geomean():
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0)
+
+
+def _moved(config, chosen):
+    return {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(chosen, f.name)}
+
+
+def test_sweep_moves_one_knob_at_a_time():
+    chosen, configs = sweep_configs(**SHAPE, knob_names=["out_block_p", "out_num_warps"])
+    assert chosen == choose_config(**SHAPE) and chosen in configs
+    assert all(len(_moved(c, chosen)) <= 1 for c in configs)
+    assert {c.out_block_p for c in configs} == {32, 64, 128}
+    assert {c.out_num_warps for c in configs} == {4, 8, 16}
+    assert len(configs) == len(set(configs)) == 1 + 2 + 2
+
+
+def test_sweep_moves_joined_knobs_together():
+    chosen, configs = sweep_configs(**SHAPE, knob_names=["out_block_p+out_num_warps"])
+    pairs = {(c.out_block_p, c.out_num_warps) for c in configs}
+    assert pairs == {(p, w) for p in (32, 64, 128) for w in (4, 8, 16)}
+    assert all(_moved(c, chosen) <= {"out_block_p", "out_num_warps"} for c in configs)
+
+
+def test_sweep_rejects_unknown_knobs():
+    with pytest.raises(ValueError, match="unknown sweep knobs"):
+        sweep_configs(**SHAPE, knob_names=["out_block_p+warps"])
+
+
+def test_sweep_spans_stay_within_128_rows():
+    shape = dict(SHAPE, N=128, P=64, R=4, chunk_size=8)
+    _, configs = sweep_configs(**shape, knob_names=["out_span_chunks", "end_span_chunks"])
+    spans = {c.out_span_chunks for c in configs} | {c.end_span_chunks for c in configs}
+    assert spans == {1, 2, 4} and all(s * 8 * 4 <= 128 for s in spans)
