@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from .ops.host_utils import cdiv, next_power_of_2
 from .ops.production import production_bwd_fwd
 from .ops.stage0 import stage0_bwd_fwd
-from .ops.host_utils import cdiv, next_power_of_2
 
 IMPLEMENTATIONS = ("production", "stage0")
 HALF_DTYPES = (torch.float16, torch.bfloat16)

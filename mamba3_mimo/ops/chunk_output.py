@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
     accumulate_rank_grads,
     accumulate_rank_group_grads,
@@ -28,7 +29,6 @@ from .triton_utils import (
     select_rows_sum,
     span_decay_offsets,
 )
-from .host_utils import cdiv, next_power_of_2
 
 
 @triton.jit

@@ -19,8 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import chunk_rows, load_rotated_gather, load_rows, load_token_discretization, span_decay_offsets
 from .host_utils import cdiv, next_power_of_2
+from .triton_utils import (
+    chunk_rows,
+    load_rotated_gather,
+    load_rows,
+    load_token_discretization,
+    span_decay_offsets,
+)
 
 
 @triton.jit

@@ -43,7 +43,8 @@ class ScanConfig:
 
     block_p / block_half: P tile and N/2 tile of one state-scan program;
     n_segments: sequence segments scanned in parallel;
-    out_block_p: P tile of the output stage; chunks_per_program: chunks one output program walks;
+    out_block_p: P tile of the output stage; chunks_per_program: spans (of out_span_chunks chunks) one
+    output program walks;
     num_warps / out_num_warps: warps of the scan and of the output programs;
     ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as

@@ -12,8 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import accumulate_rank_grads, chunk_rows, load_rotated_gather, load_rows, load_token_discretization
 from .host_utils import cdiv, next_power_of_2
+from .triton_utils import (
+    accumulate_rank_grads,
+    chunk_rows,
+    load_rotated_gather,
+    load_rows,
+    load_token_discretization,
+)
+
 
 @triton.jit
 def _rotary_kernel(
