@@ -134,18 +134,19 @@ def test_parameters_in_other_float_dtypes(check_kernel, impl):
 
 
 # 5 chunks: 2 and 3 segments do not divide them, 8 is more segments than chunks; N/2 = 32 in tiles
-# of 16; P = 48 in tiles of 16 or 32 (one partial); chunk groups of 2, 3, 4 and 8 (partial groups).
+# of 16; P = 48 in tiles of 16 or 32 (one partial); chunk groups of 2, 3, 4 and 8 (partial groups);
+# the output stage with and without the next rank's q loaded a step ahead.
 PRODUCTION_CONFIGS = [
     ScanConfig(block_p=16, n_segments=1),
     ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, chunks_per_program=2),
-    ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, chunks_per_program=3),
+    ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, chunks_per_program=3, prefetch_q=False),
     ScanConfig(block_p=16, n_segments=5, out_block_p=16, chunks_per_program=4, num_warps=2, out_num_warps=4),
     ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8),
 ]
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
-                         f"o{c.out_block_p}-g{c.chunks_per_program}")
+                         f"o{c.out_block_p}-g{c.chunks_per_program}-q{int(c.prefetch_q)}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""

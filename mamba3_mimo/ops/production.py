@@ -49,7 +49,8 @@ class ScanConfig:
     ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
     one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
-    does, so the scan that writes it steps one chunk at a time).
+    does, so the scan that writes it steps one chunk at a time);
+    prefetch_q: with one rank per step, the output stage loads the next rank's q rows a step ahead.
     """
 
     block_p: int
@@ -62,6 +63,7 @@ class ScanConfig:
     ranks_per_step: int = 1
     out_span_chunks: int = 1
     end_span_chunks: int = 1
+    prefetch_q: bool = True
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -97,10 +99,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     want_segments = next_power_of_2(cdiv(per_sm * num_sms, B * H * tiles))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
+    out_num_warps = 8 if N >= 64 else 4
+    if p_pow >= 128 and N <= 128:
+        # Sweep of e7a811a (2026-12-03_h200_sweep_e7a811a.json, graph us): one 4-warp program over 128
+        # columns does the P-independent work (k~, scores, weights) once: N64_P128_R4_C16 949 -> 843,
+        # N128_P128_R4_C8 1247 -> 1117 (255 registers, no spill; 8 and 16 warps lose).
+        out_block_p, out_num_warps = 128, 4
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
-    out_num_warps = 8 if N >= 64 else 4
     # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
     # that do not write per-chunk states: fewer, fuller serial steps (the C = 8 shapes).
     # Sweep of 0ab35d8 (2026-12-03_h200_sweep_0ab35d8.json, graph us): spans of 2 chunks of 8 cut
@@ -157,7 +164,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                dot_dtype=dot_dtype, dot_precision=dot_precision,
                                num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
-                               span_chunks=config.out_span_chunks)
+                               span_chunks=config.out_span_chunks, prefetch_q=config.prefetch_q)
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).
