@@ -19,19 +19,13 @@ import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
-    add_bias,
+    accumulate_rank_grads,
+    accumulate_rank_group_grads,
     chunk_rows,
-    fold_rank_grads,
-    fold_rank_group_grads,
     intra_chunk_weights,
-    load_halves,
-    load_rank_group_params,
-    load_rank_params,
     load_rotated_gather,
-    load_rotation,
     load_rows,
     load_token_discretization,
-    rotate_half,
     select_rows_sum,
     span_decay_offsets,
 )
@@ -47,7 +41,7 @@ def _chunk_output_kernel(
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
-    PREFETCH_Q: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
@@ -130,35 +124,15 @@ def _chunk_output_kernel(
         dz_acc = tl.zeros((BLOCK_Q, BLOCK_P), dtype=tl.float32)
         v_q = load_rows(v_ptr + hp_seq, q_offs, q_tok_mask & HAS_D, offs_p, p_mask)
 
-        # The rotation depends on the token only: loaded once per span, not once per rank.
-        if F == 1 and PREFETCH_Q:
-            q_next_lo, q_next_hi = load_halves(q_seq, t_q, q_local, q_tok_mask, qk_token_stride, G * N, offs_half,
-                                               half_mask, N)
         for rank_group in range(0, (R + F - 1) // F):
             q_rank = rank_group * F + q_local
             if F == 1:
                 q_mask = q_tok_mask
             else:
                 q_mask = q_tok_mask & (q_rank < R)
-            if F == 1:
-                # Loaded first so that their latency hides behind the products (three [cols] vectors; the
-                # [rows, cols] tiles of several ranks per step are loaded where they are used: registers).
-                psi_r, phi_r, zeta_r = load_rank_params(psi_head, phi_ptr + h * R * P, zeta_ptr + h * R * P,
-                                                        rank_group, offs_p, p_mask, P, HAS_Z, HAS_D)
-            if F == 1 and PREFETCH_Q:
-                # Rank r's q rows were loaded one step ahead; issue rank r + 1's now, so that the load
-                # latency hides behind this rank's products.
-                q_lo, q_hi = add_bias(q_next_lo, q_next_hi, q_bias_head, q_rank, q_mask, offs_half, half_mask, N)
-                q_next_lo, q_next_hi = load_halves(q_seq, t_q, q_rank + 1, q_tok_mask & (rank_group + 1 < R),
-                                                   qk_token_stride, G * N, offs_half, half_mask, N)
-                cos_q, sin_q = load_rotation(cos_seq, sin_seq, t_q, q_mask, H * RD, offs_half, half_mask, RD)
-                q_lo, q_hi = rotate_half(q_lo, q_hi, cos_q, sin_q)
-                q_lo = q_lo.to(DOT_DTYPE)
-                q_hi = q_hi.to(DOT_DTYPE)
-            else:
-                q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_q, q_rank, q_mask,
-                                                 qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
-                                                 DOT_DTYPE)
+            q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_q, q_rank, q_mask,
+                                             qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
+                                             DOT_DTYPE)
             scores = tl.dot(q_lo, k_lo_t, input_precision=DOT_PRECISION)
             scores = tl.dot(q_hi, k_hi_t, scores, input_precision=DOT_PRECISION)
             if pid_p == 0:
@@ -172,15 +146,14 @@ def _chunk_output_kernel(
             y_state = tl.dot(q_hi, state_hi, y_state, input_precision=DOT_PRECISION)
             raw_y += state_scale[:, None] * y_state
             if F == 1:
-                dphi_acc, dzeta_acc, dz_acc = fold_rank_grads(
-                    raw_y, rank_group, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q, d_skip, psi_r, phi_r, zeta_r,
-                    ranks, HAS_Z, HAS_D)
+                dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
+                    raw_y, rank_group, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q, d_skip, psi_head,
+                    phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D)
             else:
-                psi_q, phi_q, zeta_q = load_rank_group_params(psi_head, phi_ptr + h * R * P, zeta_ptr + h * R * P,
-                                                              q_rank, q_mask, offs_p, p_mask, P, HAS_Z, HAS_D)
-                dphi_acc, dzeta_acc, dz_acc = fold_rank_group_grads(
-                    raw_y, q_local, rank_group, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q, d_skip,
-                    psi_q, phi_q, zeta_q, ranks, F, HAS_Z, HAS_D)
+                dphi_acc, dzeta_acc, dz_acc = accumulate_rank_group_grads(
+                    raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q,
+                    d_skip, psi_head, phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, F, P,
+                    HAS_Z, HAS_D)
 
         if HAS_Z:
             t_tok = t0 + tok
@@ -200,15 +173,14 @@ def _chunk_output_kernel(
         tl.store(dzeta_ptr + part_offs, dzeta_acc, mask=part_mask)
 
 
-def output_meta(*, chunk_size, R, N, block_p, ranks_per_step=1, span_chunks=1, prefetch_q=True):
+def output_meta(*, chunk_size, R, N, block_p, ranks_per_step=1, span_chunks=1):
     """Block sizes of the output kernel (every tl.dot dimension >= 16); a program's unit is span_chunks chunks."""
     span = chunk_size * span_chunks
     return dict(BLOCK_C=max(16, next_power_of_2(span)),
                 BLOCK_Q=max(16, next_power_of_2(span * ranks_per_step)),
                 BLOCK_ROWS=max(16, next_power_of_2(span * R)),
                 BLOCK_R=next_power_of_2(R), BLOCK_HALF=max(16, next_power_of_2(N // 2)),
-                BLOCK_P=block_p, RANKS_PER_STEP=ranks_per_step, SPAN_CHUNKS=span_chunks,
-                PREFETCH_Q=prefetch_q)
+                BLOCK_P=block_p, RANKS_PER_STEP=ranks_per_step, SPAN_CHUNKS=span_chunks)
 
 
 def sum_dtype(dot_dtype, device):
@@ -224,7 +196,7 @@ def sum_dtype(dot_dtype, device):
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
                  chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
-                 ranks_per_step=1, span_chunks=1, prefetch_q=True):
+                 ranks_per_step=1, span_chunks=1):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
 
     A program's unit is a span of ``span_chunks`` chunks treated as one chunk of span_chunks * C
@@ -232,8 +204,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     ``chunks_per_program`` spans.
 
     ``ranks_per_step`` query ranks share one query tile (rows = (token, rank) pairs), so a chunk takes
-    ceil(R / ranks_per_step) serial steps; 1 is the per-rank loop.  With one rank per step and
-    ``prefetch_q`` the next rank's q rows are loaded a step ahead.
+    ceil(R / ranks_per_step) serial steps; 1 is the per-rank loop.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
         cos_angles, sin_angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
@@ -260,7 +231,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         S, H, G, H // G, nch, chunks_per_program, n_groups,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
         **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, ranks_per_step=ranks_per_step,
-                      span_chunks=span_chunks, prefetch_q=prefetch_q),
+                      span_chunks=span_chunks),
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         SUM_DTYPE=sum_dtype(dot_dtype, q.device),
         num_warps=num_warps, num_stages=1,

@@ -14,6 +14,7 @@ whole contract, so the choice is about speed only.
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -50,7 +51,8 @@ class ScanConfig:
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
     one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
     does, so the scan that writes it steps one chunk at a time);
-    prefetch_q: with one rank per step, the output stage loads the next rank's q rows a step ahead.
+    end_num_warps: warps of the segment end-state scan (None: num_warps);
+    scan_row_split: blocks a scan step takes its rows in (smaller blocks, fewer live registers).
     """
 
     block_p: int
@@ -63,19 +65,22 @@ class ScanConfig:
     ranks_per_step: int = 1
     out_span_chunks: int = 1
     end_span_chunks: int = 1
-    prefetch_q: bool = True
+    end_num_warps: Optional[int] = None
+    scan_row_split: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
-        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks"):
+        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "scan_row_split"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
-        for name in ("num_warps", "out_num_warps"):
+        for name in ("num_warps", "out_num_warps", "end_num_warps"):
+            if name == "end_num_warps" and self.end_num_warps is None:
+                continue
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
 
@@ -99,7 +104,10 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     want_segments = next_power_of_2(cdiv(per_sm * num_sms, B * H * tiles))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
-    out_num_warps = 8 if N >= 64 else 4
+    # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4,
+    # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us): N256_P64_R4_C8 1248 -> 1135,
+    # N64_P64_R4_C16 529 -> 512, N16 4 already (497 vs 648 at 723dec1).
+    out_num_warps = 8 if N == 128 else 4
     if p_pow >= 128 and N <= 128:
         # Sweep of e7a811a (2026-12-03_h200_sweep_e7a811a.json, graph us): one 4-warp program over 128
         # columns does the P-independent work (k~, scores, weights) once: N64_P128_R4_C16 949 -> 843,
@@ -148,8 +156,9 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
                 n_segments=cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps)
-    seg_state = segment_end_states(**scan, span_chunks=span)
+                dot_precision=dot_precision, num_warps=config.num_warps, row_split=config.scan_row_split)
+    end_warps = config.end_num_warps or config.num_warps
+    seg_state = segment_end_states(**{**scan, "num_warps": end_warps}, span_chunks=span)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
@@ -164,7 +173,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                dot_dtype=dot_dtype, dot_precision=dot_precision,
                                num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
-                               span_chunks=config.out_span_chunks, prefetch_q=config.prefetch_q)
+                               span_chunks=config.out_span_chunks)
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).

@@ -53,6 +53,20 @@ def load_token_discretization(da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, t_abs, S)
 
 
 @triton.jit
+def span_total_log_decay(da_cs_seq_ptr, span_start, S, C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
+    """Whole log decay of the span of SPAN_CHUNKS chunks starting at ``span_start`` (a scalar).
+
+    The sum of its chunks' chunk-end ``da_cs``; chunks that start past S decay nothing (padding).
+    """
+    total = 0.0
+    for i in tl.static_range(SPAN_CHUNKS):
+        chunk_start = span_start + i * C
+        chunk_end = tl.minimum(chunk_start + C - 1, S - 1)
+        total += tl.where(chunk_start < S, tl.load(da_cs_seq_ptr + chunk_end).to(tl.float32), 0.0)
+    return total
+
+
+@triton.jit
 def span_decay_offsets(da_cs_seq_ptr, t_abs, span_start, S, C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
     """Re-base the chunk-local cumsum ``da_cs`` to a span of SPAN_CHUNKS consecutive chunks.
 
@@ -110,81 +124,35 @@ def _row_col(row_vals, col_vals, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def load_rotation(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, offs_half, half_mask,
-                  RD: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """(cos, sin) tiles of the rotation at positions ``t_pos`` for half columns ``offs_half``, fp32.
-
-    ``cos_seq_ptr`` / ``sin_seq_ptr`` point at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0]
-    (precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Columns at or
-    past RD, and masked rows, get cos = 1, sin = 0 (no rotation).  The tiles depend on the token
-    only, so every rank of a token shares them.
-    """
-    row_angle, col = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
-    row_ok, col_rotated = _row_col(row_mask, half_mask & (offs_half < RD), TRANSPOSED)
-    rotated = row_ok & col_rotated
-    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
-    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
-    return cos, sin
-
-
-@triton.jit
-def load_halves(x_seq_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half, half_mask,
-                N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """Raw q or k rows as halves (x[:, n], x[:, N/2 + n]), in the stored dtype; masked elements are 0.
-
-    Row i is token ``t_pos[i]``, rank ``ranks[i]``; ``x_seq_ptr`` points at x[b, 0, 0, g, 0] of
-    [B, S, R, G, N].  Apart from ``add_bias`` so that a kernel may load the next rank's rows early.
-    """
-    HALF: tl.constexpr = N // 2
-    row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
-    mask = row_ok & col_ok
-    row_addr, col = _row_col(t_pos * token_stride + ranks * rank_stride, offs_half, TRANSPOSED)
-    offs = row_addr + col
-    return tl.load(x_seq_ptr + offs, mask=mask, other=0.0), tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0)
-
-
-@triton.jit
-def add_bias(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N: tl.constexpr,
-             TRANSPOSED: tl.constexpr = False):
-    """``load_halves`` output plus the bias of each row's rank, fp32; masked elements stay exactly 0.
-
-    ``bias_head_ptr`` points at bias[h, 0, 0] of [H, R, N].
-    """
-    HALF: tl.constexpr = N // 2
-    row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
-    mask = row_ok & col_ok
-    row_bias, col = _row_col(ranks * N, offs_half, TRANSPOSED)
-    bias_offs = row_bias + col
-    x_lo = tl.where(mask, x_lo.to(tl.float32) + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
-    x_hi = tl.where(mask, x_hi.to(tl.float32) + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0),
-                    0.0)
-    return x_lo, x_hi
-
-
-@triton.jit
-def load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride,
-                       offs_half, half_mask, N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """Biased, not yet rotated q or k rows as fp32 halves: ``load_halves`` then ``add_bias``."""
-    x_lo, x_hi = load_halves(x_seq_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half, half_mask,
-                             N, TRANSPOSED)
-    return add_bias(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N, TRANSPOSED)
-
-
-@triton.jit
 def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_pos, ranks, row_mask,
                         token_stride, rank_stride, angle_stride, offs_half, half_mask,
                         N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         TRANSPOSED: tl.constexpr = False):
     """Biased, rotated q or k rows as halves (x~[:, n], x~[:, N/2 + n]) for n in ``offs_half``.
 
-    ``load_biased_halves`` then ``load_rotation`` and ``rotate_half`` (pointers as there).  Masked
-    rows come out exactly zero.  With TRANSPOSED the tiles are [half, rows], loaded that way from
+    Row i is token ``t_pos[i]``, rank ``ranks[i]`` (both [rows] int tensors).  ``x_seq_ptr`` points
+    at x[b, 0, 0, g, 0] of [B, S, R, G, N], ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N],
+    ``cos_seq_ptr`` / ``sin_seq_ptr`` at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0] (fp32,
+    precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Masked rows
+    come out exactly zero.  With TRANSPOSED the tiles are [half, rows], loaded that way from
     memory (the operand layout of k~^T products, with no register transpose).
     """
-    x_lo, x_hi = load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride,
-                                    offs_half, half_mask, N, TRANSPOSED)
-    cos, sin = load_rotation(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, offs_half, half_mask, RD,
-                             TRANSPOSED)
+    HALF: tl.constexpr = N // 2
+    row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
+    mask = row_ok & col_ok
+    row_addr, col = _row_col(t_pos * token_stride + ranks * rank_stride, offs_half, TRANSPOSED)
+    offs = row_addr + col
+    row_bias, _ = _row_col(ranks * N, offs_half, TRANSPOSED)
+    bias_offs = row_bias + col
+    x_lo = tl.load(x_seq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x_lo = tl.where(mask, x_lo + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
+    x_hi = tl.where(mask, x_hi + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0), 0.0)
+    row_angle, _ = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
+    _, col_rotated = _row_col(row_mask, offs_half < RD, TRANSPOSED)
+    rotated = mask & col_rotated
+    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
+    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
     x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
     return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
 
@@ -197,42 +165,25 @@ def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask):
 
 
 @triton.jit
-def load_rank_params(psi_head_ptr, phi_head_ptr, zeta_head_ptr, r, offs_p, p_mask, P: tl.constexpr,
-                     HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
-    """(Psi[r], Phi[r], Zeta[r]) of the head for columns ``offs_p``, fp32 [cols]; 0 where unused (no D / Z)."""
-    psi_r = tl.load(psi_head_ptr + r * P + offs_p, mask=p_mask & HAS_D, other=0.0)
-    phi_r = tl.load(phi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
-    zeta_r = tl.load(zeta_head_ptr + r * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-    return psi_r, phi_r, zeta_r
-
-
-@triton.jit
-def fold_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip, psi_r, phi_r, zeta_r,
-                    ranks, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
+def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip,
+                          psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks, offs_p, p_mask,
+                          P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
     """Finish query rank r of a chunk: add the D skip to raw_y, fold its gradients into the accumulators.
 
     raw_y: [tokens, cols] without the skip; dphi_acc, dzeta_acc: [BLOCK_R, cols] per-rank token
-    sums; dz_acc: [tokens, cols] rank sum; psi_r, phi_r, zeta_r from ``load_rank_params``.
+    sums; dz_acc: [tokens, cols] rank sum; ``*_head_ptr`` point at the [R, P] parameters of the head.
     """
     if HAS_D:
+        psi_r = tl.load(psi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
         raw_y += (d_skip * v_tok) * psi_r[None, :]
+    phi_r = tl.load(phi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
+    zeta_r = tl.load(zeta_head_ptr + r * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
     dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z)
     dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
     if HAS_Z:
         dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
         dz_acc += dz_r
     return dphi_acc, dzeta_acc, dz_acc
-
-
-@triton.jit
-def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip,
-                          psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks, offs_p, p_mask,
-                          P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
-    """``load_rank_params`` then ``fold_rank_grads``; ``*_head_ptr`` point at the [R, P] parameters of the head."""
-    psi_r, phi_r, zeta_r = load_rank_params(psi_head_ptr, phi_head_ptr, zeta_head_ptr, r, offs_p, p_mask, P,
-                                            HAS_Z, HAS_D)
-    return fold_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip, psi_r, phi_r,
-                           zeta_r, ranks, HAS_Z, HAS_D)
 
 
 @triton.jit
@@ -265,26 +216,20 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr):
 
 
 @triton.jit
-def load_rank_group_params(psi_head_ptr, phi_head_ptr, zeta_head_ptr, q_rank, q_mask, offs_p, p_mask,
-                           P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
-    """``load_rank_params`` for a query tile of several ranks: [rows, cols] tiles, row i of rank q_rank[i]."""
+def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_rows,
+                                dout_q, z_q, v_q, d_skip, psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks,
+                                offs_p, p_mask, F: tl.constexpr, P: tl.constexpr, HAS_Z: tl.constexpr,
+                                HAS_D: tl.constexpr):
+    """``accumulate_rank_grads`` for a query tile of F ranks: row i is token q_t[i], rank q_rank[i].
+
+    q_local = q_rank - rank_group * F (0..F-1); dz_rows: [rows, cols] running sum over rank groups,
+    still per (token, local rank) row: the caller sums its F rows per token once per chunk.
+    """
     param_offs = q_rank * P
-    psi_q = load_rows(psi_head_ptr, param_offs, q_mask & HAS_D, offs_p, p_mask)
+    if HAS_D:
+        raw_y += (d_skip * v_q) * load_rows(psi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     phi_q = load_rows(phi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     zeta_q = load_rows(zeta_head_ptr, param_offs, q_mask & HAS_Z, offs_p, p_mask)
-    return psi_q, phi_q, zeta_q
-
-
-@triton.jit
-def fold_rank_group_grads(raw_y, q_local, rank_group, dphi_acc, dzeta_acc, dz_rows, dout_q, z_q, v_q, d_skip,
-                          psi_q, phi_q, zeta_q, ranks, F: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
-    """``fold_rank_grads`` for a query tile of F ranks: row i is token q_t[i], rank rank_group * F + q_local[i].
-
-    psi_q, phi_q, zeta_q from ``load_rank_group_params``; dz_rows: [rows, cols] running sum over rank
-    groups, still per (token, local rank) row: the caller sums its F rows per token once per chunk.
-    """
-    if HAS_D:
-        raw_y += (d_skip * v_q) * psi_q
     dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z)
     for j in tl.static_range(F):
         in_rank = (q_local == j)[:, None]
