@@ -209,7 +209,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
             except ValueError:
                 continue
     order = [f.name for f in dataclasses.fields(ScanConfig)]
-    return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))
+    return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) or 0 for f in order))
 
 
 def kernel_breakdown(inputs, impl, output_dtype, config=None, calls=5):
