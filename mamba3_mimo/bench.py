@@ -192,8 +192,6 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
         ranks_per_step=[f for f in (2, 4) if f <= R and chunk_size * f <= 64],
         out_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         end_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
-        end_num_warps=[4, 8],
-        scan_row_split=[1, 2, 4],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:
@@ -209,7 +207,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
             except ValueError:
                 continue
     order = [f.name for f in dataclasses.fields(ScanConfig)]
-    return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) or 0 for f in order))
+    return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))
 
 
 def kernel_breakdown(inputs, impl, output_dtype, config=None, calls=5):

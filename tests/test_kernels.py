@@ -134,20 +134,18 @@ def test_parameters_in_other_float_dtypes(check_kernel, impl):
 
 
 # 5 chunks: 2 and 3 segments do not divide them, 8 is more segments than chunks; N/2 = 32 in tiles
-# of 16; P = 48 in tiles of 16 or 32 (one partial); chunk groups of 2, 3, 4 and 8 (partial groups);
-# scan steps in 1, 2 or (capped to 2: 32 rows) 4 row blocks.
+# of 16; P = 48 in tiles of 16 or 32 (one partial); chunk groups of 2, 3, 4 and 8 (partial groups).
 PRODUCTION_CONFIGS = [
     ScanConfig(block_p=16, n_segments=1),
-    ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, chunks_per_program=2, scan_row_split=2),
+    ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, chunks_per_program=2),
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, chunks_per_program=3),
     ScanConfig(block_p=16, n_segments=5, out_block_p=16, chunks_per_program=4, num_warps=2, out_num_warps=4),
-    ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8, scan_row_split=4),
+    ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8),
 ]
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
-                         f"o{c.out_block_p}-g{c.chunks_per_program}"
-                         + (f"-r{c.scan_row_split}" if c.scan_row_split > 1 else ""))
+                         f"o{c.out_block_p}-g{c.chunks_per_program}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""
@@ -174,10 +172,9 @@ def test_production_ranks_per_step(check_kernel, case, dtype):
 
 # Spans of chunks read as one (output stage and segment end states): spans that do not divide the
 # chunks (7 chunks of 8 in spans of 2 and 4; a tail chunk at S = 53), a span longer than the sequence,
-# spans with several segments (chunks_per_segment rounded up to whole spans), several ranks per step,
-# a span's rows taken in two blocks by the scans.
+# spans with several segments (chunks_per_segment rounded up to whole spans), several ranks per step.
 SPAN_CASES = [
-    dict(S=53, chunk_size=8, out_span=2, end_span=2, n_segments=3, ranks_per_step=1, z=True, row_split=2),
+    dict(S=53, chunk_size=8, out_span=2, end_span=2, n_segments=3, ranks_per_step=1, z=True),
     dict(S=56, chunk_size=8, out_span=4, end_span=4, n_segments=2, ranks_per_step=1, z=True),
     dict(S=37, chunk_size=4, out_span=4, end_span=2, n_segments=4, ranks_per_step=2, z=False),
     dict(S=20, chunk_size=8, out_span=4, end_span=1, n_segments=1, ranks_per_step=1, z=True),
@@ -191,7 +188,7 @@ def test_production_spans(check_kernel, case, dtype):
     """Chunks taken in spans give the outputs of one chunk at a time (states are still per chunk)."""
     config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=32,
                         ranks_per_step=case["ranks_per_step"], out_span_chunks=case["out_span"],
-                        end_span_chunks=case["end_span"], scan_row_split=case.get("row_split", 1))
+                        end_span_chunks=case["end_span"])
     check_kernel("production", B=1, S=case["S"], H=2, G=1, N=32, P=32, R=2, chunk_size=case["chunk_size"],
                  dtype=dtype, z=case["z"], config=config)
 

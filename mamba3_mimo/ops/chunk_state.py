@@ -21,11 +21,11 @@ import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
+    chunk_rows,
     load_rotated_gather,
     load_rows,
     load_token_discretization,
     span_decay_offsets,
-    span_total_log_decay,
 )
 
 
@@ -37,8 +37,7 @@ def _state_scan_kernel(
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, ROW_SPLIT: tl.constexpr, STORE_STATES: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     # Without STORE_STATES only a segment's end state is wanted, so a step may take a span of
@@ -54,11 +53,8 @@ def _state_scan_kernel(
     h = bh % H
     g = h // HEADS_PER_GROUP
 
-    # Rows are the span's (token, rank) pairs, row = t_local * R + r, taken ROW_SPLIT blocks of
-    # SUB_ROWS at a time: the update product is a sum over rows, and smaller row blocks keep fewer
-    # rotation temporaries live (registers, hence programs per SM).
-    SUB_ROWS: tl.constexpr = BLOCK_ROWS // ROW_SPLIT
-    sub_rows = tl.arange(0, SUB_ROWS)
+    # Rows are the span's (token, rank) pairs, row = t_local * R + r.
+    row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, L, R)
     offs_half = pid_n * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -70,7 +66,7 @@ def _state_scan_kernel(
     v_seq = v_ptr + (b * S * H + h) * P
     angle_base = (b * S * H + h) * RD
     k_bias_head = k_bias_ptr + h * R * N
-    psi_head = psi_ptr + h * R * P
+    psi_rows = load_rows(psi_ptr + h * R * P, row_r * P, row_valid, offs_p, p_mask)
 
     tile_offs = offs_half[:, None] * P + offs_p[None, :]
     tile_mask = half_mask[:, None] & p_mask[None, :]
@@ -92,35 +88,30 @@ def _state_scan_kernel(
     for i in range(0, CHUNKS_PER_SEG // SPAN_CHUNKS):
         c = seg * CHUNKS_PER_SEG + i * SPAN_CHUNKS  # first chunk of the span
         t0 = c * C
+        t_rows = t0 + row_t
+        row_mask = row_valid & (t_rows < S)  # false for every row of a span past S
         if STORE_STATES:
             chunk_mask = tile_mask & (c < NCH)
             tl.store(states_seq + c * N * P + tile_offs, state_lo.to(states_ptr.dtype.element_ty), mask=chunk_mask)
             tl.store(states_seq + c * N * P + HALF * P + tile_offs, state_hi.to(states_ptr.dtype.element_ty),
                      mask=chunk_mask)
-        span_decay = tl.exp(span_total_log_decay(da_cs_seq, t0, S, C, SPAN_CHUNKS))
-        state_lo = state_lo * span_decay
-        state_hi = state_hi * span_decay
-        for part in tl.static_range(ROW_SPLIT):
-            rows = part * SUB_ROWS + sub_rows
-            row_t = rows // R
-            row_r = rows % R
-            t_rows = t0 + row_t
-            row_mask = (rows < L * R) & (t_rows < S)  # false for every row of a span past S
-            # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
-            k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base,
-                                                 t_rows, row_r, row_mask, R * G * N, G * N, H * RD, offs_half,
-                                                 half_mask, N, RD, DOT_DTYPE, TRANSPOSED=True)
-            _, da_rev, _, trap_scale = load_token_discretization(
-                da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
-            # exp(da_cs_rev) decays each token to the span end; it weighs psiv rows, not k~.
-            if SPAN_CHUNKS > 1:
-                da_rev += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[1]
-            k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
-            psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * \
-                load_rows(psi_head, row_r * P, row_mask, offs_p, p_mask) * k_weight[:, None]
-            psiv_w = psiv_w.to(DOT_DTYPE)
-            state_lo = tl.dot(k_lo_t, psiv_w, state_lo, input_precision=DOT_PRECISION)
-            state_hi = tl.dot(k_hi_t, psiv_w, state_hi, input_precision=DOT_PRECISION)
+
+        # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
+        k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base, t_rows,
+                                             row_r, row_mask, R * G * N, G * N, H * RD, offs_half, half_mask,
+                                             N, RD, DOT_DTYPE, TRANSPOSED=True)
+        _, da_rev, _, trap_scale = load_token_discretization(
+            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
+        # exp(da_cs_rev) decays each token to the span end; it weighs psiv rows, not k~.
+        _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
+        if SPAN_CHUNKS > 1:
+            da_rev += later
+        k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
+        psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows * k_weight[:, None]
+        psiv_w = psiv_w.to(DOT_DTYPE)
+        span_decay = tl.exp(span_log_decay)
+        state_lo = state_lo * span_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
+        state_hi = state_hi * span_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
 
     if not STORE_STATES:
         end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P
@@ -128,25 +119,22 @@ def _state_scan_kernel(
         tl.store(end_state + HALF * P + tile_offs, state_hi, mask=tile_mask)
 
 
-def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1, row_split=1):
-    """Block sizes of the state scan: rows = (token, rank) pairs of a span of chunks, >= 16 for tl.dot.
-
-    A step takes its rows in ``row_split`` blocks (fewer when a block would drop under 16 rows).
-    """
-    block_rows = max(16, next_power_of_2(chunk_size * span_chunks * R))
-    return dict(BLOCK_ROWS=block_rows, BLOCK_HALF=max(16, min(block_half, next_power_of_2(N // 2))),
-                BLOCK_P=block_p, SPAN_CHUNKS=span_chunks, ROW_SPLIT=max(1, min(row_split, block_rows // 16)))
+def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
+    """Block sizes of the state scan: rows = (token, rank) pairs of a span of chunks, >= 16 for tl.dot."""
+    return dict(BLOCK_ROWS=max(16, next_power_of_2(chunk_size * span_chunks * R)),
+                BLOCK_HALF=max(16, min(block_half, next_power_of_2(N // 2))), BLOCK_P=block_p,
+                SPAN_CHUNKS=span_chunks)
 
 
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
-            num_warps, store_states, segments_launched, span_chunks=1, row_split=1):
+            num_warps, store_states, segments_launched, span_chunks=1):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
         raise ValueError(f"chunks_per_segment={chunks_per_segment} is not a multiple of span_chunks={span_chunks}")
     meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_half=block_half, block_p=block_p,
-                     span_chunks=span_chunks, row_split=row_split)
+                     span_chunks=span_chunks)
     tiles = cdiv(N // 2, meta["BLOCK_HALF"]) * cdiv(P, block_p)
     _state_scan_kernel[(tiles, segments_launched, B * H)](
         k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
@@ -165,8 +153,7 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, dt: [B, H, S] fp32;
         trap: [B, H, S]; chunk_size, n_segments, chunks_per_segment, block_half, block_p,
-        dot_dtype, dot_precision, num_warps, row_split (rows of a step in that many blocks);
-        chunks_per_segment must be a multiple of span_chunks.
+        dot_dtype, dot_precision, num_warps; chunks_per_segment must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

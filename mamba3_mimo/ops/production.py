@@ -14,7 +14,6 @@ whole contract, so the choice is about speed only.
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -50,9 +49,7 @@ class ScanConfig:
     ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
     one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
-    does, so the scan that writes it steps one chunk at a time);
-    end_num_warps: warps of the segment end-state scan (None: num_warps);
-    scan_row_split: blocks a scan step takes its rows in (smaller blocks, fewer live registers).
+    does, so the scan that writes it steps one chunk at a time).
     """
 
     block_p: int
@@ -65,22 +62,18 @@ class ScanConfig:
     ranks_per_step: int = 1
     out_span_chunks: int = 1
     end_span_chunks: int = 1
-    end_num_warps: Optional[int] = None
-    scan_row_split: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
-        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "scan_row_split"):
+        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
-        for name in ("num_warps", "out_num_warps", "end_num_warps"):
-            if name == "end_num_warps" and self.end_num_warps is None:
-                continue
+        for name in ("num_warps", "out_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
 
@@ -156,9 +149,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
                 n_segments=cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps, row_split=config.scan_row_split)
-    end_warps = config.end_num_warps or config.num_warps
-    seg_state = segment_end_states(**{**scan, "num_warps": end_warps}, span_chunks=span)
+                dot_precision=dot_precision, num_warps=config.num_warps)
+    seg_state = segment_end_states(**scan, span_chunks=span)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))

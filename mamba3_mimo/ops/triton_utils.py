@@ -53,20 +53,6 @@ def load_token_discretization(da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, t_abs, S)
 
 
 @triton.jit
-def span_total_log_decay(da_cs_seq_ptr, span_start, S, C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
-    """Whole log decay of the span of SPAN_CHUNKS chunks starting at ``span_start`` (a scalar).
-
-    The sum of its chunks' chunk-end ``da_cs``; chunks that start past S decay nothing (padding).
-    """
-    total = 0.0
-    for i in tl.static_range(SPAN_CHUNKS):
-        chunk_start = span_start + i * C
-        chunk_end = tl.minimum(chunk_start + C - 1, S - 1)
-        total += tl.where(chunk_start < S, tl.load(da_cs_seq_ptr + chunk_end).to(tl.float32), 0.0)
-    return total
-
-
-@triton.jit
 def span_decay_offsets(da_cs_seq_ptr, t_abs, span_start, S, C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
     """Re-base the chunk-local cumsum ``da_cs`` to a span of SPAN_CHUNKS consecutive chunks.
 
