@@ -97,9 +97,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     want_segments = next_power_of_2(cdiv(per_sm * num_sms, B * H * tiles))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
-    # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4,
-    # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us): N256_P64_R4_C8 1248 -> 1135,
-    # N64_P64_R4_C16 529 -> 512, N16 4 already (497 vs 648 at 723dec1).
+    # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4:
+    # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us, a since-reverted kernel variant):
+    # N256_P64_R4_C8 1246 -> 1135, N64_P64_R4_C16 522 -> 512; with the kept kernel the official grid
+    # of 9eaf180 against c788de8: N256 1293 -> 1096, N64_P64 543 -> 500.  N16 had 4 already (497 vs 648
+    # at 723dec1).
     out_num_warps = 8 if N == 128 else 4
     if p_pow >= 128 and N <= 128:
         # Sweep of e7a811a (2026-12-03_h200_sweep_e7a811a.json, graph us): one 4-warp program over 128
