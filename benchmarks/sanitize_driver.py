@@ -26,6 +26,8 @@ RANK_PAIRS = ScanConfig(block_p=32, n_segments=2, out_block_p=32, ranks_per_step
 # Chunks read in spans of 2 and 4 (7 chunks of 8 with a tail: partial spans, segments of whole spans).
 SPANS = ScanConfig(block_p=32, n_segments=3, out_block_p=32, out_span_chunks=2, end_span_chunks=2)
 WIDE_SPANS = ScanConfig(block_p=16, n_segments=2, out_block_p=32, out_span_chunks=4, end_span_chunks=4)
+# The P >= 128 launch of the dispatcher: one 4-warp output program over 128 columns (P = 96: a partial tile).
+WIDE_P = ScanConfig(block_p=32, n_segments=2, out_block_p=128, out_num_warps=4)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -45,6 +47,8 @@ CASES = [
      dict(B=1, S=53, H=2, G=1, N=64, P=32, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-widespans-f32", "production", WIDE_SPANS,
      dict(B=1, S=53, H=2, G=1, N=32, P=40, R=2, chunk_size=8, dtype=F32, z=True, d=True)),
+    ("production-widep-z", "production", WIDE_P,
+     dict(B=1, S=40, H=2, G=1, N=64, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,
