@@ -1,7 +1,7 @@
 """Compile the bwd_fwd kernels for sm_90 on a machine without a GPU and report their resources.
 
     python benchmarks/aot_report.py                       # official grid, production + stage0
-    python benchmarks/aot_report.py --cases N128_P64_R4_C16 --config 64,4,8
+    python benchmarks/aot_report.py --cases N128_P64_R4_C16 --config local_states=1,out_num_warps=4
 
 Each launch the host wrappers would make is captured (uninitialized CPU
 tensors, nothing runs), specialized the way Triton's launcher would, compiled
@@ -11,6 +11,7 @@ This costs no device time; spills and shared memory over 99 KB show here first.
 """
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -26,12 +27,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.bench import OFFICIAL_CASES, parse_case  # noqa: E402
-from mamba3_mimo.ops import chunk_output, chunk_state, stage0  # noqa: E402
-from mamba3_mimo.ops.production import ScanConfig, choose_config  # noqa: E402
+from mamba3_mimo.ops import chunk_output, chunk_state, stage0, state_passing  # noqa: E402
+from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
-           "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
+           "segment_entry": state_passing._segment_entry_kernel, "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
            "serial_scan": stage0._serial_scan_kernel}
 
 
@@ -81,8 +82,8 @@ def compile_as_cuda():
 
 
 def parse_config(text):
-    """A ScanConfig from ``key=value,...`` (integer fields)."""
-    return ScanConfig(**{key: int(value) for key, value in (kv.split("=") for kv in text.split(","))})
+    """ScanConfig overrides from ``key=value,...`` (integer fields; 0 / 1 for the flags)."""
+    return {key: int(value) for key, value in (kv.split("=") for kv in text.split(",") if kv)}
 
 
 def resources(kernel):
@@ -113,11 +114,11 @@ def empty_inputs(B, S, H, G, N, P, R, chunk_size, dtype, z=True, d=True):
         z=torch.empty(B, S, H, P, **act) if z else None, chunk_size=chunk_size)
 
 
-def report_case(case, impls, config, B, S, H, G, dtype, z):
+def report_case(case, impls, overrides, B, S, H, G, dtype, z):
     shape = parse_case(case)
     inputs = empty_inputs(B=B, S=S, H=H, G=G, dtype=dtype, z=z, **shape)
-    if config is None:  # the dispatcher's choice for an H200, not for the CPU this runs on
-        config = choose_config(B=B, H=H, S=S, num_sms=132, **shape)
+    # The dispatcher's choice for an H200 (not for the CPU this runs on), with the --config fields changed.
+    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, **shape), **(overrides or {}))
     rows = []
     for impl in impls:
         launches = capture_launches(lambda: api.bwd_fwd(**inputs, output_dtype=dtype, impl=impl, config=config))
@@ -133,7 +134,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(OFFICIAL_CASES))
     parser.add_argument("--impl", default="production,stage0")
-    parser.add_argument("--config", help="ScanConfig fields as key=value,... for production (default: dispatcher)")
+    parser.add_argument("--config", help="ScanConfig fields key=value,... that replace the dispatcher's for production")
     parser.add_argument("--no-z", action="store_true")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = parser.parse_args(argv)

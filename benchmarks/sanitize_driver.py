@@ -28,6 +28,10 @@ SPANS = ScanConfig(block_p=32, n_segments=3, out_block_p=32, out_span_chunks=2, 
 WIDE_SPANS = ScanConfig(block_p=16, n_segments=2, out_block_p=32, out_span_chunks=4, end_span_chunks=4)
 # The P >= 128 launch of the dispatcher: one 4-warp output program over 128 columns (P = 96: a partial tile).
 WIDE_P = ScanConfig(block_p=32, n_segments=2, out_block_p=128, out_num_warps=4)
+# One scan pass writing segment-local states, the segment fold, the output stage adding the entry states
+# (7 chunks in 3 segments, output spans of 2 straddling a segment boundary; 5 chunks in 3 segments).
+LOCAL = ScanConfig(block_p=32, n_segments=3, out_block_p=32, out_span_chunks=2, local_states=True)
+LOCAL_TILES = ScanConfig(block_p=16, n_segments=3, block_half=16, out_block_p=16, local_states=True)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -49,6 +53,10 @@ CASES = [
      dict(B=1, S=53, H=2, G=1, N=32, P=40, R=2, chunk_size=8, dtype=F32, z=True, d=True)),
     ("production-widep-z", "production", WIDE_P,
      dict(B=1, S=40, H=2, G=1, N=64, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-local-z", "production", LOCAL,
+     dict(B=1, S=53, H=2, G=1, N=64, P=32, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
+    ("production-local-f32", "production", LOCAL_TILES,
+     dict(B=2, S=70, H=2, G=1, N=64, P=40, R=2, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,

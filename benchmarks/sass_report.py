@@ -13,6 +13,7 @@ instructions by kind.
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -83,16 +84,14 @@ def largest_loop(ops):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["N128_P64_R4_C16"])
-    parser.add_argument("--config", help="ScanConfig fields as key=value,... (default: dispatcher)")
+    parser.add_argument("--config", help="ScanConfig fields key=value,... that replace the dispatcher's")
     parser.add_argument("--no-z", action="store_true")
     args = parser.parse_args(argv)
     aot_report.compile_as_cuda()
     for case in args.cases:
         shape = parse_case(case)
-        if args.config:
-            config = aot_report.parse_config(args.config)
-        else:
-            config = choose_config(B=4, H=16, S=2048, num_sms=132, **shape)
+        config = dataclasses.replace(choose_config(B=4, H=16, S=2048, num_sms=132, **shape),
+                                     **aot_report.parse_config(args.config or ""))
         inputs = aot_report.empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=not args.no_z, **shape)
         launches = aot_report.capture_launches(
             lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))

@@ -193,6 +193,31 @@ def test_production_spans(check_kernel, case, dtype):
                  dtype=dtype, z=case["z"], config=config)
 
 
+# One scan pass writing segment-local states, the segment fold, and the output stage adding each
+# chunk's decayed entry state: segments that do not divide the chunks (5 chunks in 3 segments, 7 in
+# 3, 5 in 2), more segments than chunks, output spans that straddle segment boundaries, tails,
+# chunk groups, several ranks per step, no Z.
+LOCAL_STATE_CASES = [
+    dict(S=70, chunk_size=16, n_segments=3, out_span=1, chunks_per_program=1, ranks_per_step=1, z=True),
+    dict(S=70, chunk_size=16, n_segments=8, out_span=1, chunks_per_program=2, ranks_per_step=1, z=True),
+    dict(S=53, chunk_size=8, n_segments=3, out_span=2, chunks_per_program=1, ranks_per_step=1, z=True),
+    dict(S=64, chunk_size=8, n_segments=2, out_span=4, chunks_per_program=2, ranks_per_step=1, z=False),
+    dict(S=37, chunk_size=8, n_segments=2, out_span=2, chunks_per_program=1, ranks_per_step=2, z=True),
+]
+
+
+@pytest.mark.parametrize("case", LOCAL_STATE_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-s{c['n_segments']}-"
+                         f"o{c['out_span']}-g{c['chunks_per_program']}")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_production_local_states(check_kernel, case, dtype):
+    """Segment-local states plus the entry fold give the states and outputs of the two-pass scan."""
+    config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=32, local_states=True,
+                        out_span_chunks=case["out_span"], chunks_per_program=case["chunks_per_program"],
+                        ranks_per_step=case["ranks_per_step"])
+    check_kernel("production", B=2, S=case["S"], H=2, G=1, N=32, P=32, R=2, chunk_size=case["chunk_size"],
+                 dtype=dtype, z=case["z"], config=config)
+
+
 def pad_to_whole_chunks(inputs):
     """The host padding of SPEC section 4: S -> nch * C."""
     C = inputs["chunk_size"]

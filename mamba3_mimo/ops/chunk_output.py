@@ -22,6 +22,7 @@ from .triton_utils import (
     accumulate_rank_grads,
     accumulate_rank_group_grads,
     chunk_rows,
+    chunk_run_log_decay,
     intra_chunk_weights,
     load_rotated_gather,
     load_rows,
@@ -35,13 +36,13 @@ from .triton_utils import (
 def _chunk_output_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, z_ptr, cos_ptr, sin_ptr,
     q_bias_ptr, k_bias_ptr, psi_ptr, phi_ptr, zeta_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr,
+    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr, seg_entry_ptr,
     qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
-    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
-    HAS_Z: tl.constexpr,
+    ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
@@ -98,6 +99,37 @@ def _chunk_output_kernel(
         t_q = t0 + q_t
         q_tok_mask = q_valid & (t_q < S)  # false for every row of a span past S
 
+        state_offs = offs_half[:, None] * P + offs_p[None, :]
+        state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + state_offs
+        tile_mask = half_mask[:, None] & p_mask[None, :]
+        state_lo = tl.load(state_tile, mask=tile_mask & (first_chunk < NCH), other=0.0)
+        state_hi = tl.load(state_tile + HALF * P, mask=tile_mask & (first_chunk < NCH), other=0.0)
+        if ADD_ENTRY:
+            # ``states`` holds segment-local states: add each chunk's decayed segment entry state and
+            # write the whole state back, for every chunk of the span (the first one is used below).
+            for i in tl.static_range(SPAN_CHUNKS):
+                chunk = first_chunk + i
+                seg = chunk // CHUNKS_PER_SEG
+                seg_first = seg * CHUNKS_PER_SEG
+                entry_scale = tl.exp(chunk_run_log_decay(da_cs_seq, seg_first, chunk - seg_first, S, C,
+                                                         BLOCK_SEG_CHUNKS))
+                entry_tile = seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + state_offs
+                fix_mask = tile_mask & (chunk < NCH) & (seg > 0)  # segment 0 enters from zero
+                if i == 0:
+                    local_lo, local_hi = state_lo, state_hi
+                else:
+                    local_lo = tl.load(state_tile + i * N * P, mask=fix_mask, other=0.0)
+                    local_hi = tl.load(state_tile + i * N * P + HALF * P, mask=fix_mask, other=0.0)
+                full_lo = local_lo.to(tl.float32) + entry_scale * tl.load(entry_tile, mask=fix_mask, other=0.0)
+                full_hi = local_hi.to(tl.float32) + entry_scale * tl.load(entry_tile + HALF * P, mask=fix_mask,
+                                                                          other=0.0)
+                tl.store(state_tile + i * N * P, full_lo.to(states_ptr.dtype.element_ty), mask=fix_mask)
+                tl.store(state_tile + i * N * P + HALF * P, full_hi.to(states_ptr.dtype.element_ty), mask=fix_mask)
+                if i == 0:
+                    state_lo, state_hi = full_lo, full_hi
+        state_lo = state_lo.to(DOT_DTYPE)
+        state_hi = state_hi.to(DOT_DTYPE)
+
         # k~^T straight from memory, [N/2, rows] per half: the B operand of the score product.
         k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
                                              qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
@@ -112,10 +144,6 @@ def _chunk_output_kernel(
         weights = intra_chunk_weights(q_t, row_t, q_tok_mask, row_mask, da_q, da_rows, gamma_q, ts_rows)
         psiv = (load_rows(v_ptr + hp_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows).to(DOT_DTYPE)
 
-        state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + offs_half[:, None] * P + offs_p[None, :]
-        state_mask = half_mask[:, None] & p_mask[None, :] & (first_chunk < NCH)
-        state_lo = tl.load(state_tile, mask=state_mask, other=0.0).to(DOT_DTYPE)
-        state_hi = tl.load(state_tile + HALF * P, mask=state_mask, other=0.0).to(DOT_DTYPE)
         state_scale = tl.exp(da_q)
 
         q_offs = t_q * (H * P)
@@ -196,7 +224,7 @@ def sum_dtype(dot_dtype, device):
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
                  chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
-                 ranks_per_step=1, span_chunks=1):
+                 ranks_per_step=1, span_chunks=1, seg_entry=None, chunks_per_segment=1):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
 
     A program's unit is a span of ``span_chunks`` chunks treated as one chunk of span_chunks * C
@@ -206,10 +234,15 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     ``ranks_per_step`` query ranks share one query tile (rows = (token, rank) pairs), so a chunk takes
     ceil(R / ranks_per_step) serial steps; 1 is the per-rank loop.
 
+    With ``seg_entry`` (from ``segment_entry_states``), ``states`` holds segment-local states on
+    entry (``chunk_local_states``, segments of ``chunks_per_segment`` chunks) and the full states
+    on return.
+
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
         cos_angles, sin_angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
         fp32 (mimo_z may be None); d: [H] fp32 or None; da_cs, da_cs_rev, dt: [B, H, S] fp32;
-        trap: [B, H, S]; states: [B, H, nch, N, P] from ``chunk_states``;
+        trap: [B, H, S]; states: [B, H, nch, N, P] from ``chunk_states`` or ``chunk_local_states``;
+        seg_entry: [B, H, n_segments, N, P] fp32 or None;
         qk_dot: [B, H, S, R, R]; dz: [B, S, H, P] or None.
     Returns:
         dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 with
@@ -226,12 +259,15 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     _chunk_output_kernel[(cdiv(P, block_p), n_groups, B * H)](
         q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
         q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
-        da_cs, da_cs_rev, dt, trap, states,
+        da_cs, da_cs_rev, dt, trap, states, states if seg_entry is None else seg_entry,
         qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
-        S, H, G, H // G, nch, chunks_per_program, n_groups,
+        S, H, G, H // G, nch, chunks_per_program, n_groups, chunks_per_segment,
+        1 if seg_entry is None else seg_entry.shape[2],
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
         **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, ranks_per_step=ranks_per_step,
                       span_chunks=span_chunks),
+        ADD_ENTRY=seg_entry is not None,
+        BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         SUM_DTYPE=sum_dtype(dot_dtype, q.device),
         num_warps=num_warps, num_stages=1,

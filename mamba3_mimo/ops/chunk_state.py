@@ -22,6 +22,7 @@ import triton.language as tl
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
     chunk_rows,
+    chunk_run_log_decay,
     load_rotated_gather,
     load_rows,
     load_token_discretization,
@@ -37,7 +38,8 @@ def _state_scan_kernel(
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     # Without STORE_STATES only a segment's end state is wanted, so a step may take a span of
@@ -72,14 +74,11 @@ def _state_scan_kernel(
     tile_mask = half_mask[:, None] & p_mask[None, :]
     state_lo = tl.zeros((BLOCK_HALF, BLOCK_P), dtype=tl.float32)
     state_hi = tl.zeros((BLOCK_HALF, BLOCK_P), dtype=tl.float32)
-    if STORE_STATES:
+    if FOLD_EARLIER:
         # Fold the earlier segments: s <- exp(segment log decay) s + end state of that segment.
-        seg_chunks = tl.arange(0, BLOCK_SEG_CHUNKS)
         for i in range(0, seg):
-            chunk_ids = i * CHUNKS_PER_SEG + seg_chunks
-            chunk_ends = tl.minimum(chunk_ids * C + C - 1, S - 1)
-            in_seg = seg_chunks < CHUNKS_PER_SEG
-            seg_decay = tl.exp(tl.sum(tl.load(da_cs_seq + chunk_ends, mask=in_seg, other=0.0), axis=0))
+            seg_decay = tl.exp(chunk_run_log_decay(da_cs_seq, i * CHUNKS_PER_SEG, CHUNKS_PER_SEG, S, C,
+                                                   BLOCK_SEG_CHUNKS))
             end_state = seg_state_ptr + (bh * N_SEGMENTS + i) * N * P
             state_lo = state_lo * seg_decay + tl.load(end_state + tile_offs, mask=tile_mask, other=0.0)
             state_hi = state_hi * seg_decay + tl.load(end_state + HALF * P + tile_offs, mask=tile_mask, other=0.0)
@@ -113,10 +112,12 @@ def _state_scan_kernel(
         state_lo = state_lo * span_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
         state_hi = state_hi * span_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
 
-    if not STORE_STATES:
+    if STORE_END:
+        # The last segment's end state is never read.
         end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P
-        tl.store(end_state + tile_offs, state_lo, mask=tile_mask)
-        tl.store(end_state + HALF * P + tile_offs, state_hi, mask=tile_mask)
+        end_mask = tile_mask & (seg < N_SEGMENTS - 1)
+        tl.store(end_state + tile_offs, state_lo, mask=end_mask)
+        tl.store(end_state + HALF * P + tile_offs, state_hi, mask=end_mask)
 
 
 def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
@@ -128,7 +129,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
 
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
-            num_warps, store_states, segments_launched, span_chunks=1):
+            num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
@@ -141,9 +142,15 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, d
         S, H, G, H // G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
-        STORE_STATES=store_states, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=1,
+        STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=num_warps, num_stages=1,
     )
+
+
+def _segment_scratch(scan_args, n_segments):
+    B, _, _, _, N = scan_args["k"].shape
+    H, P = scan_args["v"].shape[2:]
+    return torch.empty((B, H, n_segments, N, P), device=scan_args["k"].device, dtype=torch.float32)
 
 
 def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
@@ -160,11 +167,9 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
     """
     if n_segments == 1:
         return None
-    B, _, _, _, N = scan_args["k"].shape
-    H, P = scan_args["v"].shape[2:]
-    seg_state = torch.empty((B, H, n_segments, N, P), device=scan_args["k"].device, dtype=torch.float32)
+    seg_state = _segment_scratch(scan_args, n_segments)
     _launch(**scan_args, n_segments=n_segments, seg_state=seg_state, states=seg_state, store_states=False,
-            segments_launched=n_segments - 1, span_chunks=span_chunks)
+            fold_earlier=False, store_end=True, segments_launched=n_segments - 1, span_chunks=span_chunks)
     return seg_state
 
 
@@ -176,4 +181,20 @@ def chunk_states(*, seg_state, states, n_segments, **scan_args):
     """
     # With one segment the fold never runs; any fp32 tensor stands in (same kernel specialization).
     _launch(**scan_args, n_segments=n_segments, seg_state=scan_args["cos_angles"] if seg_state is None else seg_state,
-            states=states, store_states=True, segments_launched=n_segments)
+            states=states, store_states=True, fold_earlier=True, store_end=False, segments_launched=n_segments)
+
+
+def chunk_local_states(*, states, n_segments, **scan_args):
+    """One pass: every segment from a zero state, writing its chunks' local states and its end state.
+
+    ``states`` [B, H, nch, N, P] receives, for each chunk, the state entering it counted from the
+    start of its segment only; the state of the earlier segments is added by the output stage
+    (``segment_entry_states`` gives it).  Arguments as for ``segment_end_states``.
+    Returns:
+        seg_state: [B, H, n_segments, N, P] fp32 holding each segment's end state (the last entry
+        is never written).
+    """
+    seg_state = _segment_scratch(scan_args, n_segments)
+    _launch(**scan_args, n_segments=n_segments, seg_state=seg_state, states=states, store_states=True,
+            fold_earlier=False, store_end=True, segments_launched=n_segments)
+    return seg_state

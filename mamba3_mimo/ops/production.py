@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .chunk_output import chunk_output
-from .chunk_state import chunk_states, segment_end_states
+from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .host_utils import cdiv, next_power_of_2
+from .state_passing import segment_entry_states
 
 # Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
 # [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two with [2 x 64, 64] tiles (254
@@ -49,7 +50,11 @@ class ScanConfig:
     ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
     one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
-    does, so the scan that writes it steps one chunk at a time).
+    does, so the scan that writes it steps one chunk at a time);
+    local_states: one scan pass writes segment-local states and end states, a fold gives each
+    segment its entry state and the output stage adds it (``chunk_local_states``,
+    ``segment_entry_states``), instead of an end-state pass and a second scan that folds first
+    (``segment_end_states``, ``chunk_states``).  Same outputs; ``end_span_chunks`` is then unused.
     """
 
     block_p: int
@@ -62,6 +67,7 @@ class ScanConfig:
     ranks_per_step: int = 1
     out_span_chunks: int = 1
     end_span_chunks: int = 1
+    local_states: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -143,23 +149,30 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
     nch = cdiv(S, chunk_size)
-    span = config.end_span_chunks
+    span = 1 if config.local_states else config.end_span_chunks
     chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
+    n_segments = cdiv(nch, chunks_per_segment)
+    local = config.local_states and n_segments > 1
     # cos/sin once per (token, head), not once per (row, program) inside the kernels.
     cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
-                n_segments=cdiv(nch, chunks_per_segment), chunks_per_segment=chunks_per_segment,
+                n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps)
-    seg_state = segment_end_states(**scan, span_chunks=span)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
     handoff = states
     if torch.finfo(states.dtype).eps > input_eps:
         handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
-    chunk_states(**scan, seg_state=seg_state, states=handoff)
+    seg_entry = None
+    if local:
+        seg_entry = chunk_local_states(**scan, states=handoff)
+        segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
+                             chunks_per_segment=chunks_per_segment)
+    else:
+        chunk_states(**scan, seg_state=segment_end_states(**scan, span_chunks=span), states=handoff)
     dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
                                da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
@@ -167,7 +180,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                dot_dtype=dot_dtype, dot_precision=dot_precision,
                                num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
-                               span_chunks=config.out_span_chunks)
+                               span_chunks=config.out_span_chunks, seg_entry=seg_entry,
+                               chunks_per_segment=chunks_per_segment)
     if handoff is not states:
         states.copy_(handoff)
     # Deterministic reduction of the per-group partials (no atomics).

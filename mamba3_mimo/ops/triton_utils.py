@@ -77,6 +77,18 @@ def span_decay_offsets(da_cs_seq_ptr, t_abs, span_start, S, C: tl.constexpr, SPA
 
 
 @triton.jit
+def chunk_run_log_decay(da_cs_seq_ptr, first_chunk, n_chunks, S, C: tl.constexpr, BLOCK_CHUNKS: tl.constexpr):
+    """Log decay across ``n_chunks`` (<= BLOCK_CHUNKS) whole chunks from ``first_chunk`` on: a scalar.
+
+    A chunk's log decay is ``da_cs`` at its last valid position (the cumsum restarts every chunk).
+    The run must lie inside the sequence: a chunk past S would repeat the last chunk's decay.
+    """
+    idx = tl.arange(0, BLOCK_CHUNKS)
+    chunk_ends = tl.minimum((first_chunk + idx) * C + C - 1, S - 1)
+    return tl.sum(tl.load(da_cs_seq_ptr + chunk_ends, mask=idx < n_chunks, other=0.0), axis=0)
+
+
+@triton.jit
 def intra_chunk_weights(row_t, col_t, row_mask, col_mask, da_row, da_col, gamma_row, ts_col):
     """Causal weights of the folded chunk score matrix [rows, cols].
 
