@@ -29,7 +29,7 @@ case "$mode" in
     OUT="$(mktemp -d)" timeout 150 bash benchmarks/sanitize.sh 2>&1 | tail -n 40 | tee "$OUT/sanitize.log" || status=1
     timeout 160 python3 -m pytest -q -p no:warnings -rs tests/test_robustness.py tests/test_custom_op.py \
       tests/test_triton_utils.py 2>&1 | tail -n 30 | tee "$OUT/tests_robustness.log" || status=1
-    timeout 240 python3 -m pytest -q -p no:warnings tests/test_kernels.py -k "gpu or official" 2>&1 \
+    timeout 240 python3 -m pytest -q -p no:warnings tests/test_kernels.py -k "gpu or official or local_states" 2>&1 \
       | tail -n 20 | tee "$OUT/tests_kernels.log" || status=1
     timeout 180 python3 -m mamba3_mimo.cases --device cuda --impl all --size all --json "$OUT/cases.json" 2>&1 \
       | tail -n 5 | tee "$OUT/cases.log" || status=1

@@ -100,7 +100,30 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     block_half = min(half_pow, 64 if N >= 128 else 32)
     tiles = cdiv(half_pow, block_half) * cdiv(p_pow, block_p)
     per_sm = WIDE_TILE_PROGRAMS_PER_SM if block_half >= 64 else SCAN_PROGRAMS_PER_SM
+    # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
+    # that do not write per-chunk states: fewer, fuller serial steps (the C = 8 shapes).
+    # Sweep of 0ab35d8 (2026-12-03_h200_sweep_0ab35d8.json, graph us): spans of 2 chunks of 8 cut
+    # N16_P64_R4_C8 494 -> 359, N256_P64_R4_C8 1812 -> 1296, N128_P128_R4_C8 1746 -> 1257; spans of
+    # 128 rows lose (N128_P64_R4_C16 621 -> 753, N128_P64_R8_C8 1542 -> 1472 only); the end-state scan
+    # gains ~1% from spans of 64 rows and spills at 128.
+    span_chunks = 1
+    while 2 * span_chunks * chunk_size * next_power_of_2(R) <= SPAN_ROWS and 2 * span_chunks <= nch:
+        span_chunks *= 2
+    # A query tile shorter than 16 tokens (tl.dot pads it to 16 rows) takes two ranks per step instead:
+    # N128_P64_R8_C8 1542 -> 1317 us; on full tiles more ranks per step spill (N128_P64_R4_C16 621 -> 861).
+    ranks_per_step = max(1, min(R, 16 // (chunk_size * span_chunks)))
     want_segments = next_power_of_2(cdiv(per_sm * num_sms, B * H * tiles))
+    # One scan pass writing segment-local states, the output stage adding the segment entry states
+    # (``local_states``), where the output kernel has the registers for it: one query rank per step
+    # and N <= 128.  Sweep of c16a25d (2026-12-03_h200_sweep_c16a25d.json, graph us, two passes at
+    # the segments chosen then -> local states at 4 segments): N64_P64_R4_C16 497 -> 452,
+    # N128_P64_R4_C16 624 -> 569, N64_P128_R4_C16 854 -> 780, N128_P64_R1_C64 295 -> 271.  It loses
+    # at N = 16 (356 -> 364 at best), at N = 256 (1077 -> 1092; the output kernel spills) and on
+    # N128_P64_R8_C8 with two ranks per step (1308 -> 1724: 168 output registers instead of 128).
+    # The single pass wants about one wave of scan programs: half the segments, at least 4.
+    local_states = ranks_per_step == 1 and 32 <= N <= 128
+    if local_states:
+        want_segments = max(min(want_segments, 4), want_segments // 2)
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
     # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4:
@@ -117,21 +140,10 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
-    # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
-    # that do not write per-chunk states: fewer, fuller serial steps (the C = 8 shapes).
-    # Sweep of 0ab35d8 (2026-12-03_h200_sweep_0ab35d8.json, graph us): spans of 2 chunks of 8 cut
-    # N16_P64_R4_C8 494 -> 359, N256_P64_R4_C8 1812 -> 1296, N128_P128_R4_C8 1746 -> 1257; spans of
-    # 128 rows lose (N128_P64_R4_C16 621 -> 753, N128_P64_R8_C8 1542 -> 1472 only); the end-state scan
-    # gains ~1% from spans of 64 rows and spills at 128.
-    span_chunks = 1
-    while 2 * span_chunks * chunk_size * next_power_of_2(R) <= SPAN_ROWS and 2 * span_chunks <= nch:
-        span_chunks *= 2
-    # A query tile shorter than 16 tokens (tl.dot pads it to 16 rows) takes two ranks per step instead:
-    # N128_P64_R8_C8 1542 -> 1317 us; on full tiles more ranks per step spill (N128_P64_R4_C16 621 -> 861).
-    ranks_per_step = max(1, min(R, 16 // (chunk_size * span_chunks)))
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
-                      ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks)
+                      ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
+                      local_states=local_states)
 
 
 @functools.lru_cache(maxsize=None)
