@@ -114,14 +114,17 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     ranks_per_step = max(1, min(R, 16 // (chunk_size * span_chunks)))
     want_segments = next_power_of_2(cdiv(per_sm * num_sms, B * H * tiles))
     # One scan pass writing segment-local states, the output stage adding the segment entry states
-    # (``local_states``), where the output kernel has the registers for it: one query rank per step
-    # and N <= 128.  Sweep of c16a25d (2026-12-03_h200_sweep_c16a25d.json, graph us, two passes at
-    # the segments chosen then -> local states at 4 segments): N64_P64_R4_C16 497 -> 452,
-    # N128_P64_R4_C16 624 -> 569, N64_P128_R4_C16 854 -> 780, N128_P64_R1_C64 295 -> 271.  It loses
-    # at N = 16 (356 -> 364 at best), at N = 256 (1077 -> 1092; the output kernel spills) and on
-    # N128_P64_R8_C8 with two ranks per step (1308 -> 1724: 168 output registers instead of 128).
-    # The single pass wants about one wave of scan programs: half the segments, at least 4.
-    local_states = ranks_per_step == 1 and 32 <= N <= 128
+    # (``local_states``), where the output kernel has the registers for it: one chunk per output
+    # step, one query rank per step, 32 <= N <= 128.  Graph us, two passes -> local states at 4
+    # segments; sweep of c16a25d (two passes at the segments chosen then): N64_P64_R4_C16 497 -> 452,
+    # N128_P64_R4_C16 624 -> 569, N64_P128_R4_C16 854 -> 780, N128_P64_R1_C64 295 -> 271; sweep of
+    # 98f87f0 (two passes at 4 segments): N32_P64_R4_C16 381 -> 349, N128_P32_R4_C16 544 -> 490,
+    # N128_P64_R2_C32 404 -> 394.  It loses where the output kernel is short of registers: spans of
+    # chunks (N16_P64_R4_C8 356 -> 364 at best, N256_P64_R4_C8 1077 -> 1092, N128_P128_R4_C8
+    # 1107 -> 1125 at best: spills) and two ranks per step (N128_P64_R8_C8 1308 -> 1724: 168 output
+    # registers instead of 128).  The single pass wants about one wave of scan programs: half the
+    # segments, at least 4.
+    local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
     if local_states:
         want_segments = max(min(want_segments, 4), want_segments // 2)
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
