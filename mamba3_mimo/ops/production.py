@@ -1,15 +1,23 @@
-"""The production bwd_fwd: segment end states, chunk states, then the chunk-parallel outputs.
+"""The production bwd_fwd: state scans over sequence segments, then the chunk-parallel outputs.
 
-Three launches (docs/design.md):
+Launches (docs/design.md), in one of two schedules that ``ScanConfig.local_states`` picks:
 
+two passes:
 1. ``segment_end_states``: each sequence segment's own end state (skipped with one segment);
 2. ``chunk_states``: the state entering every chunk, written to ``states``;
-3. ``chunk_output``: qk_dot, dz and the Phi / Zeta partials, one program per chunk group.
+3. ``chunk_output``: qk_dot, dz and the Phi / Zeta partials, one program per chunk group;
+
+local states (one scan pass):
+1. ``chunk_local_states``: every segment from a zero state: segment-local ``states`` and end states;
+2. ``segment_entry_states``: the state entering every segment, from the end states;
+3. ``chunk_output`` adds each chunk's decayed entry state, uses it and writes ``states`` back;
+
+and in both, ``sum_group_partials``: the Phi / Zeta gradients from the partials.
 
 ``choose_config`` is the shape dispatcher: it sizes the state tiles and the
-number of segments so that the two serial scans have enough programs to fill
-the GPU, and the chunk groups of the output stage.  Every config covers the
-whole contract, so the choice is about speed only.
+number of segments so that the serial scans have enough programs to fill
+the GPU, picks the schedule, and the spans and rank steps of the output stage.
+Every config covers the whole contract, so the choice is about speed only.
 """
 
 import functools
@@ -19,6 +27,7 @@ import torch
 
 from .chunk_output import chunk_output
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
+from .group_sum import sum_group_partials
 from .host_utils import cdiv, next_power_of_2
 from .state_passing import segment_entry_states
 
@@ -199,7 +208,4 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                chunks_per_segment=chunks_per_segment)
     if handoff is not states:
         states.copy_(handoff)
-    # Deterministic reduction of the per-group partials (no atomics).
-    dmimo_o.copy_(dphi.sum(dim=2))
-    if dzeta is not None:
-        dmimo_z.copy_(dzeta.sum(dim=2))
+    sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)

@@ -1,0 +1,57 @@
+"""Last step of the production path: sum the output stage's per-group Phi / Zeta partials.
+
+``chunk_output`` leaves one [R, P] partial per (b, h, chunk group); the gradients are their sums.
+One kernel reduces both partial tensors and writes the outputs in their dtype, in a fixed order
+(no atomics).  It replaces two ``torch.sum(dim=2)`` reductions and two casting copies, which took
+about 25 us per call on the official shapes (profiler breakdown of 1315b8b) for ~17 MB of reads.
+"""
+
+import triton
+import triton.language as tl
+
+from .host_utils import cdiv, next_power_of_2
+
+# Partials summed per step (rows of the [groups, R*P] tile) and R*P columns per program.
+BLOCK_GROUPS = 32
+BLOCK_COLS = 128
+
+
+@triton.jit
+def _group_sum_kernel(
+    dphi_ptr, dzeta_ptr, dmimo_o_ptr, dmimo_z_ptr, N_GROUPS,
+    RP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_RP: tl.constexpr, HAS_Z: tl.constexpr,
+):
+    bh = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_RP + tl.arange(0, BLOCK_RP)
+    col_mask = cols < RP
+    rows = tl.arange(0, BLOCK_G)
+    part_offs = bh * N_GROUPS * RP + rows[:, None] * RP + cols[None, :]
+    dphi_sum = tl.zeros((BLOCK_RP,), dtype=tl.float32)
+    dzeta_sum = tl.zeros((BLOCK_RP,), dtype=tl.float32)
+    # A [BLOCK_G, BLOCK_RP] tile per step: many loads in flight, not one row per serial step.
+    for g0 in range(0, N_GROUPS, BLOCK_G):
+        mask = ((g0 + rows) < N_GROUPS)[:, None] & col_mask[None, :]
+        dphi_sum += tl.sum(tl.load(dphi_ptr + part_offs + g0 * RP, mask=mask, other=0.0), axis=0)
+        if HAS_Z:
+            dzeta_sum += tl.sum(tl.load(dzeta_ptr + part_offs + g0 * RP, mask=mask, other=0.0), axis=0)
+    out_offs = bh * RP + cols
+    tl.store(dmimo_o_ptr + out_offs, dphi_sum.to(dmimo_o_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_Z:
+        tl.store(dmimo_z_ptr + out_offs, dzeta_sum.to(dmimo_z_ptr.dtype.element_ty), mask=col_mask)
+
+
+def sum_group_partials(*, dphi_partial, dzeta_partial, dmimo_o, dmimo_z):
+    """dmimo_o[b, h] = sum_g dphi_partial[b, h, g] (and dmimo_z from dzeta_partial), in place.
+
+    Args:
+        dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 contiguous (dzeta_partial may be None);
+        dmimo_o, dmimo_z: [B, H, R, P] contiguous, any float dtype (dmimo_z None with dzeta_partial).
+    """
+    B, H, n_groups, R, P = dphi_partial.shape
+    has_z = dzeta_partial is not None
+    block_rp = min(BLOCK_COLS, next_power_of_2(R * P))
+    _group_sum_kernel[(cdiv(R * P, block_rp), B * H)](
+        dphi_partial, dzeta_partial if has_z else dphi_partial, dmimo_o, dmimo_z if has_z else dmimo_o, n_groups,
+        RP=R * P, BLOCK_G=min(BLOCK_GROUPS, next_power_of_2(n_groups)), BLOCK_RP=block_rp, HAS_Z=has_z,
+        num_warps=4,
+    )
