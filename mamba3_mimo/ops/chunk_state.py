@@ -10,9 +10,14 @@ of one (b, h).  The sequence is cut into ``n_segments`` runs of chunks:
    segments' end states and writes the state entering each of its chunks into
    ``states``.
 
-Both stages run the same kernel (``STORE_STATES`` picks the output).  A chunk
-costs one load of its k, v and discretization and one [N/2, rows] x [rows, P]
-product per half; everything that needs q, dout or z lives in ``chunk_output``.
+With local states (``chunk_local_states``) one pass replaces the two: every segment is
+scanned from a zero state, writing its chunks' segment-local states and its end state;
+``state_passing.segment_entry_states`` and the output stage add the earlier segments.
+
+All three run the same kernel (``STORE_STATES``, ``FOLD_EARLIER`` and ``STORE_END`` pick what
+it reads and writes).  A chunk costs one load of its k, v and discretization and one
+[N/2, rows] x [rows, P] product per half; everything that needs q, dout or z lives in
+``chunk_output``.
 """
 
 import torch
