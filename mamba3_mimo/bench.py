@@ -204,9 +204,12 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
     for group in groups:
         for values in itertools.product(*(knobs[name] for name in group)):
             try:
-                candidates.add(dataclasses.replace(chosen, **dict(zip(group, values))))
+                candidate = dataclasses.replace(chosen, **dict(zip(group, values)))
             except ValueError:
                 continue
+            if candidate.local_states:  # the one-pass schedule has no end-state scan: its span is moot
+                candidate = dataclasses.replace(candidate, end_span_chunks=1)
+            candidates.add(candidate)
     order = [f.name for f in dataclasses.fields(ScanConfig)]
     return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))
 

@@ -48,3 +48,13 @@ def test_sweep_spans_stay_within_128_rows():
     _, configs = sweep_configs(**shape, knob_names=["out_span_chunks", "end_span_chunks"])
     spans = {c.out_span_chunks for c in configs} | {c.end_span_chunks for c in configs}
     assert spans == {1, 2, 4} and all(s * 8 * 4 <= 128 for s in spans)
+
+
+def test_sweep_drops_end_spans_of_the_one_pass_schedule():
+    """With local states the end-state span does nothing, so the sweep does not time it twice."""
+    shape = dict(SHAPE, N=64, P=64, R=4, chunk_size=16)
+    chosen, configs = sweep_configs(**shape, knob_names=["local_states+end_span_chunks"])
+    assert chosen.local_states
+    local = [c for c in configs if c.local_states]
+    assert [c.end_span_chunks for c in local] == [1]
+    assert {c.end_span_chunks for c in configs if not c.local_states} == {1, 2}  # spans of <= 128 rows
