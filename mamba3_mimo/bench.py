@@ -193,6 +193,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
         out_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         end_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         local_states=[False, True],
+        split_gate=[False, True],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:

@@ -218,6 +218,30 @@ def test_production_local_states(check_kernel, case, dtype):
                  dtype=dtype, z=case["z"], config=config)
 
 
+# The split output stage (chunk_scan stores raw_y of all ranks, gate_grads streams over tokens): ranks
+# that are not a power of two (padded rank rows), spans of chunks, tails, local states with segments
+# that do not divide the chunks, GQA, N = 16 (one 16-wide N/2 tile), P tiles, no Z.
+SPLIT_GATE_CASES = [
+    dict(S=70, chunk_size=16, R=2, G=1, N=32, P=32, n_segments=3, out_span=1, local=True, out_block_p=32, z=True),
+    dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=True),
+    dict(S=37, chunk_size=4, R=4, G=1, N=16, P=16, n_segments=2, out_span=4, local=False, out_block_p=16, z=False),
+    dict(S=20, chunk_size=16, R=1, G=2, N=64, P=32, n_segments=1, out_span=1, local=False, out_block_p=32, z=True),
+    dict(S=53, chunk_size=8, R=6, G=1, N=32, P=32, n_segments=3, out_span=2, local=True, out_block_p=32, z=True),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_GATE_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-R{c['R']}-"
+                         f"o{c['out_span']}-{'local' if c['local'] else 'two'}")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_production_split_gate(check_kernel, case, dtype):
+    """The two-pass output stage (chunk_scan, gate_grads) is exact against the float64 reference."""
+    config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=case["out_block_p"],
+                        local_states=case["local"], out_span_chunks=case["out_span"],
+                        end_span_chunks=case["out_span"], split_gate=True)
+    check_kernel("production", B=2, S=case["S"], H=2, G=case["G"], N=case["N"], P=case["P"], R=case["R"],
+                 chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
+
+
 def pad_to_whole_chunks(inputs):
     """The host padding of SPEC section 4: S -> nch * C."""
     C = inputs["chunk_size"]
@@ -324,3 +348,19 @@ def test_official_grid(check_kernel, impl, shape):
     # The float64 reference of this size is slow on the CPU: it runs on the GPU as well.
     check_kernel(impl, B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", **parse_shape(shape))
+
+
+@pytest.mark.parametrize("shape", GRID_SHAPES)
+@pytest.mark.gpu
+@requires_cuda
+def test_official_grid_split_gate(check_kernel, shape):
+    """The dispatcher's config with the output stage forced to the split path (chunk_scan, gate_grads)."""
+    import dataclasses
+
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           **sizes)
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=dataclasses.replace(chosen, split_gate=True), **sizes)

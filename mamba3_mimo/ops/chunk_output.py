@@ -22,8 +22,8 @@ from .triton_utils import (
     accumulate_rank_grads,
     accumulate_rank_group_grads,
     chunk_rows,
-    chunk_run_log_decay,
     intra_chunk_weights,
+    load_entering_state,
     load_rotated_gather,
     load_rows,
     load_token_discretization,
@@ -99,34 +99,9 @@ def _chunk_output_kernel(
         t_q = t0 + q_t
         q_tok_mask = q_valid & (t_q < S)  # false for every row of a span past S
 
-        state_offs = offs_half[:, None] * P + offs_p[None, :]
-        state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + state_offs
-        tile_mask = half_mask[:, None] & p_mask[None, :]
-        state_lo = tl.load(state_tile, mask=tile_mask & (first_chunk < NCH), other=0.0)
-        state_hi = tl.load(state_tile + HALF * P, mask=tile_mask & (first_chunk < NCH), other=0.0)
-        if ADD_ENTRY:
-            # ``states`` holds segment-local states: add each chunk's decayed segment entry state and
-            # write the whole state back, for every chunk of the span (the first one is used below).
-            for i in tl.static_range(SPAN_CHUNKS):
-                chunk = first_chunk + i
-                seg = chunk // CHUNKS_PER_SEG
-                seg_first = seg * CHUNKS_PER_SEG
-                entry_scale = tl.exp(chunk_run_log_decay(da_cs_seq, seg_first, chunk - seg_first, S, C,
-                                                         BLOCK_SEG_CHUNKS))
-                entry_tile = seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + state_offs
-                fix_mask = tile_mask & (chunk < NCH) & (seg > 0)  # segment 0 enters from zero
-                if i == 0:
-                    local_lo, local_hi = state_lo, state_hi
-                else:
-                    local_lo = tl.load(state_tile + i * N * P, mask=fix_mask, other=0.0)
-                    local_hi = tl.load(state_tile + i * N * P + HALF * P, mask=fix_mask, other=0.0)
-                full_lo = local_lo.to(tl.float32) + entry_scale * tl.load(entry_tile, mask=fix_mask, other=0.0)
-                full_hi = local_hi.to(tl.float32) + entry_scale * tl.load(entry_tile + HALF * P, mask=fix_mask,
-                                                                          other=0.0)
-                tl.store(state_tile + i * N * P, full_lo.to(states_ptr.dtype.element_ty), mask=fix_mask)
-                tl.store(state_tile + i * N * P + HALF * P, full_hi.to(states_ptr.dtype.element_ty), mask=fix_mask)
-                if i == 0:
-                    state_lo, state_hi = full_lo, full_hi
+        state_lo, state_hi = load_entering_state(
+            states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+            half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
         state_lo = state_lo.to(DOT_DTYPE)
         state_hi = state_hi.to(DOT_DTYPE)
 

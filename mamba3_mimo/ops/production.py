@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from .chunk_output import chunk_output
+from .chunk_scan import chunk_scan, raw_y_dtype
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
+from .gate_grads import gate_grads
 from .group_sum import sum_group_partials
 from .host_utils import cdiv, next_power_of_2
 from .state_passing import segment_entry_states
@@ -64,6 +66,10 @@ class ScanConfig:
     segment its entry state and the output stage adds it (``chunk_local_states``,
     ``segment_entry_states``), instead of an end-state pass and a second scan that folds first
     (``segment_end_states``, ``chunk_states``).  Same outputs; ``end_span_chunks`` is then unused.
+    split_gate: the output stage in two passes, ``chunk_scan`` (raw_y of all ranks at once, stored)
+    then ``gate_grads`` (the gate gradients, streaming over tokens), instead of the fused
+    ``chunk_output``; out_block_p / out_num_warps / out_span_chunks then shape ``chunk_scan``, and
+    chunks_per_program / ranks_per_step are unused.
     """
 
     block_p: int
@@ -77,6 +83,7 @@ class ScanConfig:
     out_span_chunks: int = 1
     end_span_chunks: int = 1
     local_states: bool = False
+    split_gate: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -197,15 +204,24 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                              chunks_per_segment=chunks_per_segment)
     else:
         chunk_states(**scan, seg_state=segment_end_states(**scan, span_chunks=span), states=handoff)
-    dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
-                               q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
-                               da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
-                               qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
-                               chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
-                               dot_dtype=dot_dtype, dot_precision=dot_precision,
-                               num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
-                               span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-                               chunks_per_segment=chunks_per_segment)
+    if config.split_gate:
+        raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype(q, k, v, dout))
+        chunk_scan(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,
+                   mimo_v=mimo_v, d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
+                   qk_dot=qk_dot, raw_y=raw_y, chunk_size=chunk_size, block_p=config.out_block_p,
+                   dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.out_num_warps,
+                   span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment)
+        dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz)
+    else:
+        dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
+                                   q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
+                                   da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
+                                   qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
+                                   chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
+                                   dot_dtype=dot_dtype, dot_precision=dot_precision,
+                                   num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
+                                   span_chunks=config.out_span_chunks, seg_entry=seg_entry,
+                                   chunks_per_segment=chunks_per_segment)
     if handoff is not states:
         states.copy_(handoff)
     sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)

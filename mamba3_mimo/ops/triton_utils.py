@@ -122,18 +122,30 @@ def _row_col(row_vals, col_vals, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_pos, ranks, row_mask,
-                        token_stride, rank_stride, angle_stride, offs_half, half_mask,
-                        N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                        TRANSPOSED: tl.constexpr = False):
-    """Biased, rotated q or k rows as halves (x~[:, n], x~[:, N/2 + n]) for n in ``offs_half``.
+def load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, offs_half, RD: tl.constexpr,
+                     TRANSPOSED: tl.constexpr = False):
+    """cos and sin of the rotation angles as [rows, half] tiles (row i is token ``t_pos[i]``).
+
+    ``cos_seq_ptr`` / ``sin_seq_ptr`` point at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0]
+    (fp32, precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Columns
+    n >= RD and masked rows get cos 1, sin 0 (no rotation).  [half, rows] with TRANSPOSED.
+    """
+    row_angle, col = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
+    row_ok, col_rotated = _row_col(row_mask, offs_half < RD, TRANSPOSED)
+    rotated = row_ok & col_rotated
+    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
+    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half,
+                       half_mask, N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """Biased q or k rows, not rotated, as fp32 halves (x[:, n], x[:, N/2 + n]) for n in ``offs_half``.
 
     Row i is token ``t_pos[i]``, rank ``ranks[i]`` (both [rows] int tensors).  ``x_seq_ptr`` points
-    at x[b, 0, 0, g, 0] of [B, S, R, G, N], ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N],
-    ``cos_seq_ptr`` / ``sin_seq_ptr`` at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0] (fp32,
-    precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Masked rows
-    come out exactly zero.  With TRANSPOSED the tiles are [half, rows], loaded that way from
-    memory (the operand layout of k~^T products, with no register transpose).
+    at x[b, 0, 0, g, 0] of [B, S, R, G, N], ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N].  Masked
+    elements are exactly zero (x and bias both load as 0).  [half, rows] with TRANSPOSED.
     """
     HALF: tl.constexpr = N // 2
     row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
@@ -146,13 +158,68 @@ def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_po
     x_hi = tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     x_lo = tl.where(mask, x_lo + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
     x_hi = tl.where(mask, x_hi + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0), 0.0)
-    row_angle, _ = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
-    _, col_rotated = _row_col(row_mask, offs_half < RD, TRANSPOSED)
-    rotated = mask & col_rotated
-    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
-    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
+    return x_lo, x_hi
+
+
+@triton.jit
+def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_pos, ranks, row_mask,
+                        token_stride, rank_stride, angle_stride, offs_half, half_mask,
+                        N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        TRANSPOSED: tl.constexpr = False):
+    """Biased, rotated q or k rows as halves (x~[:, n], x~[:, N/2 + n]) in DOT_DTYPE.
+
+    Arguments as for ``load_biased_halves`` and ``load_angle_tiles``.  Masked rows come out
+    exactly zero.  With TRANSPOSED the tiles are [half, rows], loaded that way from memory (the
+    operand layout of k~^T products, with no register transpose).
+    """
+    x_lo, x_hi = load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride,
+                                    offs_half, half_mask, N, TRANSPOSED)
+    cos, sin = load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, offs_half, RD,
+                                TRANSPOSED)
     x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
     return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
+
+
+@triton.jit
+def load_entering_state(states_ptr, seg_entry_ptr, da_cs_seq_ptr, bh, first_chunk, S, NCH, CHUNKS_PER_SEG,
+                        N_SEGMENTS, offs_half, half_mask, offs_p, p_mask, C: tl.constexpr, N: tl.constexpr,
+                        P: tl.constexpr, SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr,
+                        BLOCK_SEG_CHUNKS: tl.constexpr):
+    """The state entering chunk ``first_chunk`` of one (b, h), as fp32 halves [half, cols] (rows n, N/2 + n).
+
+    ``states_ptr`` points at states [B, H, nch, N, P].  With ADD_ENTRY it holds segment-local
+    states (``chunk_local_states``): each of the SPAN_CHUNKS chunks from ``first_chunk`` on gets
+    its segment's entry state (``seg_entry_ptr``, [B, H, n_segments, N, P] fp32) decayed from the
+    segment start added, and is written back whole; the first one is returned.  A chunk past NCH
+    reads zeros and writes nothing.
+    """
+    HALF: tl.constexpr = N // 2
+    state_offs = offs_half[:, None] * P + offs_p[None, :]
+    state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + state_offs
+    tile_mask = half_mask[:, None] & p_mask[None, :]
+    state_lo = tl.load(state_tile, mask=tile_mask & (first_chunk < NCH), other=0.0).to(tl.float32)
+    state_hi = tl.load(state_tile + HALF * P, mask=tile_mask & (first_chunk < NCH), other=0.0).to(tl.float32)
+    if ADD_ENTRY:
+        for i in tl.static_range(SPAN_CHUNKS):
+            chunk = first_chunk + i
+            seg = chunk // CHUNKS_PER_SEG
+            seg_first = seg * CHUNKS_PER_SEG
+            entry_scale = tl.exp(chunk_run_log_decay(da_cs_seq_ptr, seg_first, chunk - seg_first, S, C,
+                                                     BLOCK_SEG_CHUNKS))
+            entry_tile = seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + state_offs
+            fix_mask = tile_mask & (chunk < NCH) & (seg > 0)  # segment 0 enters from zero
+            if i == 0:
+                local_lo, local_hi = state_lo, state_hi
+            else:
+                local_lo = tl.load(state_tile + i * N * P, mask=fix_mask, other=0.0).to(tl.float32)
+                local_hi = tl.load(state_tile + i * N * P + HALF * P, mask=fix_mask, other=0.0).to(tl.float32)
+            full_lo = local_lo + entry_scale * tl.load(entry_tile, mask=fix_mask, other=0.0)
+            full_hi = local_hi + entry_scale * tl.load(entry_tile + HALF * P, mask=fix_mask, other=0.0)
+            tl.store(state_tile + i * N * P, full_lo.to(states_ptr.dtype.element_ty), mask=fix_mask)
+            tl.store(state_tile + i * N * P + HALF * P, full_hi.to(states_ptr.dtype.element_ty), mask=fix_mask)
+            if i == 0:
+                state_lo, state_hi = full_lo, full_hi
+    return state_lo, state_hi
 
 
 @triton.jit

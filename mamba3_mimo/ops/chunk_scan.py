@@ -1,0 +1,182 @@
+"""Stage 3 of the split output path: the pre-gate output ``raw_y`` of every chunk, all ranks at once.
+
+One program owns one (b, h), one span of chunks and one tile of P columns.  The span's
+(token, rank) pairs are the rows of every tile, ``row = t_local * R + r``, on the query side and on
+the key side alike, so the whole chunk is three wide products instead of a loop over query ranks:
+
+    scores = q~ k~^T                                    [rows, rows]; same-token blocks are qk_dot
+    raw_y  = (scores * W) psiv + exp(da_cs) (q~ state_in) + D psiv          [rows, P tile]
+
+with W the causal decay / trapezoid weights of SPEC section 3.  q~ and k~ rows share their token's
+cos / sin tiles.  ``raw_y`` goes to a scratch tensor [B, H, S, R, P] that ``gate_grads`` reads: the
+gate's per-token loads, rank sums and token sums stay out of this kernel, which keeps it to the
+products and their operands (the fused ``chunk_output`` keeps them in and loops over the ranks).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .host_utils import cdiv, next_power_of_2
+from .triton_utils import (
+    chunk_rows,
+    intra_chunk_weights,
+    load_angle_tiles,
+    load_biased_halves,
+    load_entering_state,
+    load_rows,
+    load_token_discretization,
+    rotate_half,
+    span_decay_offsets,
+)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
+    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr, raw_y_ptr,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    HALF: tl.constexpr = N // 2
+    # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
+    # chunks are cut; the state read is the one entering the span.
+    L: tl.constexpr = C * SPAN_CHUNKS
+    pid_p = tl.program_id(0)
+    span = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    g = h // HEADS_PER_GROUP
+
+    # Rows are (token, rank) pairs of the span, row = t_local * BLOCK_R + r: tiles are built as
+    # [BLOCK_L, BLOCK_R, cols] (per-token and per-rank factors load once and broadcast) and reshaped.
+    ROWS: tl.constexpr = BLOCK_L * BLOCK_R
+    tok = tl.arange(0, BLOCK_L)
+    rank = tl.arange(0, BLOCK_R)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    half_mask = offs_half < HALF
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < P
+    t0 = span * L
+    first_chunk = span * SPAN_CHUNKS
+    t_tok = t0 + tok
+    tok_mask = (tok < L) & (t_tok < S)
+    rank_mask = rank < R
+    rows = tl.arange(0, ROWS)
+    row_t = rows // BLOCK_R
+    row_r = rows % BLOCK_R
+    t_rows = t0 + row_t
+    row_mask = (row_t < L) & (t_rows < S) & (row_r < R)
+
+    disc_base = bh * S
+    da_cs_seq = da_cs_ptr + disc_base
+    qk_token_stride = R * G * N
+    qk_seq_offs = b * S * qk_token_stride + g * N
+    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    angle_seq = (b * S * H + h) * RD
+
+    state_lo, state_hi = load_entering_state(
+        states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+        half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
+
+    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.
+    angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
+    rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
+    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
+    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0)[:, None, :]
+    mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
+    x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
+                            + offs_half[None, None, :])
+    bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
+    bias_mask = rank_mask[:, None] & half_mask[None, :]
+    q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+    q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+    q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
+    k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+    k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+    k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
+    q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
+    if pid_p == 0:
+        # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
+        qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
+        qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
+        tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+
+    da_rows, _, gamma_rows, ts_rows = load_token_discretization(
+        da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
+    if SPAN_CHUNKS > 1:
+        da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
+    weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
+    v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
+    psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+    psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
+
+    raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+    raw_y += tl.exp(da_rows)[:, None] * y_state
+    if HAS_D:
+        raw_y += tl.load(d_ptr + h).to(tl.float32) * psiv
+
+    # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
+    y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
+    tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
+
+
+def scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
+    """Block sizes of the chunk scan: rows = a span's (token, rank) pairs, every tl.dot dimension >= 16."""
+    block_r = next_power_of_2(R)
+    return dict(BLOCK_L=max(next_power_of_2(chunk_size * span_chunks), 16 // min(block_r, 16)), BLOCK_R=block_r,
+                BLOCK_HALF=max(16, next_power_of_2(N // 2)), BLOCK_P=block_p, SPAN_CHUNKS=span_chunks)
+
+
+def raw_y_dtype(q, k, v, dout):
+    """Scratch dtype of raw_y: bf16 when the activations are bf16 (the products already round
+    their operands to bf16), else fp32 (fp16 has too little range, fp32 inputs need fp32)."""
+    return torch.bfloat16 if torch.bfloat16 in (q.dtype, k.dtype, v.dtype, dout.dtype) else torch.float32
+
+
+def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, dt, trap,
+               states, qk_dot, raw_y, chunk_size, block_p, dot_dtype, dot_precision, num_warps=4, span_chunks=1,
+               seg_entry=None, chunks_per_segment=1):
+    """Fill ``raw_y`` and ``qk_dot``; with ``seg_entry``, finish ``states`` too.
+
+    A program takes a span of ``span_chunks`` chunks as one chunk of span_chunks * C tokens and
+    one P tile of ``block_p`` columns.  With ``seg_entry`` (from ``segment_entry_states``),
+    ``states`` holds segment-local states on entry (``chunk_local_states``, segments of
+    ``chunks_per_segment`` chunks) and the full states on return.
+
+    Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
+        fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
+        da_cs, da_cs_rev, dt: [B, H, S] fp32; trap: [B, H, S]; states: [B, H, nch, N, P];
+        seg_entry: [B, H, n_segments, N, P] fp32 or None; qk_dot: [B, H, S, R, R];
+        raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip).
+    """
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    nch = cdiv(S, chunk_size)
+    n_spans = cdiv(nch, span_chunks)
+    _chunk_scan_kernel[(cdiv(P, block_p), n_spans, B * H)](
+        q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
+        da_cs, da_cs_rev, dt, trap, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
+        S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2],
+        C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
+        **scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks),
+        ADD_ENTRY=seg_entry is not None,
+        BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
+        HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=num_warps, num_stages=1,
+    )
