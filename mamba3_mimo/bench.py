@@ -78,9 +78,10 @@ def copy_bandwidth(device, nbytes=2 << 30):
 
 
 def _jit_kernels():
-    from .ops import chunk_output, chunk_state, stage0
+    from .ops import chunk_output, chunk_scan, chunk_state, gate_grads, stage0
 
     return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
+            "chunk_scan": chunk_scan._chunk_scan_kernel, "gate_grads": gate_grads._gate_grads_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
 
@@ -188,12 +189,13 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
         num_warps=[2, 4, 8],
         out_block_p=[p for p in (32, 64, 128) if p <= p_pow],
         chunks_per_program=[1, 2, 4, 8],
-        out_num_warps=[4, 8, 16],
+        out_num_warps=[4, 8],
         ranks_per_step=[f for f in (2, 4) if f <= R and chunk_size * f <= 64],
         out_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         end_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         local_states=[False, True],
         split_gate=[False, True],
+        out_max_registers=[0, 168],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:

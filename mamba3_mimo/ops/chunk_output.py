@@ -26,7 +26,7 @@ from .triton_utils import (
     load_entering_state,
     load_rotated_gather,
     load_rows,
-    load_token_discretization,
+    load_token_weights,
     select_rows_sum,
     span_decay_offsets,
 )
@@ -36,7 +36,7 @@ from .triton_utils import (
 def _chunk_output_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, z_ptr, cos_ptr, sin_ptr,
     q_bias_ptr, k_bias_ptr, psi_ptr, phi_ptr, zeta_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr, seg_entry_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr,
     qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
@@ -109,10 +109,10 @@ def _chunk_output_kernel(
         k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
                                              qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
                                              DOT_DTYPE, TRANSPOSED=True)
-        da_rows, _, _, ts_rows = load_token_discretization(
-            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
-        da_q, _, gamma_q, _ = load_token_discretization(
-            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_q, S)
+        da_rows, _, _, ts_rows = load_token_weights(
+            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
+        da_q, _, gamma_q, _ = load_token_weights(
+            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_q, S)
         if SPAN_CHUNKS > 1:
             da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
             da_q += span_decay_offsets(da_cs_seq, t_q, t0, S, C, SPAN_CHUNKS)[0]
@@ -197,7 +197,7 @@ def sum_dtype(dot_dtype, device):
 
 
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
-                 da_cs, da_cs_rev, dt, trap, states, qk_dot, dz,
+                 da_cs, da_cs_rev, gamma, trap_scale, states, qk_dot, dz,
                  chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
                  ranks_per_step=1, span_chunks=1, seg_entry=None, chunks_per_segment=1):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
@@ -215,8 +215,8 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
 
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
         cos_angles, sin_angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v, mimo_o, mimo_z: [H, R, P]
-        fp32 (mimo_z may be None); d: [H] fp32 or None; da_cs, da_cs_rev, dt: [B, H, S] fp32;
-        trap: [B, H, S]; states: [B, H, nch, N, P] from ``chunk_states`` or ``chunk_local_states``;
+        fp32 (mimo_z may be None); d: [H] fp32 or None; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
+        fp32 (``token_weights``); states: [B, H, nch, N, P] from ``chunk_states`` or ``chunk_local_states``;
         seg_entry: [B, H, n_segments, N, P] fp32 or None;
         qk_dot: [B, H, S, R, R]; dz: [B, S, H, P] or None.
     Returns:
@@ -234,7 +234,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     _chunk_output_kernel[(cdiv(P, block_p), n_groups, B * H)](
         q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
         q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
-        da_cs, da_cs_rev, dt, trap, states, states if seg_entry is None else seg_entry,
+        da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry,
         qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_program, n_groups, chunks_per_segment,
         1 if seg_entry is None else seg_entry.shape[2],

@@ -25,7 +25,7 @@ from .triton_utils import (
     load_biased_halves,
     load_entering_state,
     load_rows,
-    load_token_discretization,
+    load_token_weights,
     rotate_half,
     span_decay_offsets,
 )
@@ -34,7 +34,7 @@ from .triton_utils import (
 @triton.jit
 def _chunk_scan_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr, raw_y_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr, raw_y_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -83,7 +83,8 @@ def _chunk_scan_kernel(
         states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
         half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
 
-    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.
+    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
+    # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
     angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
     rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
     cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
@@ -115,8 +116,8 @@ def _chunk_scan_kernel(
         qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
         tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
 
-    da_rows, _, gamma_rows, ts_rows = load_token_discretization(
-        da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
+    da_rows, _, gamma_rows, ts_rows = load_token_weights(
+        da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
     if SPAN_CHUNKS > 1:
         da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
     weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
@@ -124,12 +125,14 @@ def _chunk_scan_kernel(
     psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
-    raw_y = tl.dot((scores * weights).to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    mixing = scores * weights
+    if HAS_D:
+        # The D skip D * psiv[t, r] is the diagonal of the mixing matrix: psiv is the product's operand.
+        mixing += tl.where(rows[:, None] == rows[None, :], tl.load(d_ptr + h).to(tl.float32), 0.0)
+    raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
     raw_y += tl.exp(da_rows)[:, None] * y_state
-    if HAS_D:
-        raw_y += tl.load(d_ptr + h).to(tl.float32) * psiv
 
     # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
     y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
@@ -149,19 +152,20 @@ def raw_y_dtype(q, k, v, dout):
     return torch.bfloat16 if torch.bfloat16 in (q.dtype, k.dtype, v.dtype, dout.dtype) else torch.float32
 
 
-def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, dt, trap,
+def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
                states, qk_dot, raw_y, chunk_size, block_p, dot_dtype, dot_precision, num_warps=4, span_chunks=1,
-               seg_entry=None, chunks_per_segment=1):
+               seg_entry=None, chunks_per_segment=1, max_registers=0):
     """Fill ``raw_y`` and ``qk_dot``; with ``seg_entry``, finish ``states`` too.
 
     A program takes a span of ``span_chunks`` chunks as one chunk of span_chunks * C tokens and
     one P tile of ``block_p`` columns.  With ``seg_entry`` (from ``segment_entry_states``),
     ``states`` holds segment-local states on entry (``chunk_local_states``, segments of
-    ``chunks_per_segment`` chunks) and the full states on return.
+    ``chunks_per_segment`` chunks) and the full states on return.  ``max_registers`` caps the
+    registers per thread (0: the compiler's choice).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
-        da_cs, da_cs_rev, dt: [B, H, S] fp32; trap: [B, H, S]; states: [B, H, nch, N, P];
+        da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_weights``); states: [B, H, nch, N, P];
         seg_entry: [B, H, n_segments, N, P] fp32 or None; qk_dot: [B, H, S, R, R];
         raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip).
     """
@@ -171,12 +175,12 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     n_spans = cdiv(nch, span_chunks)
     _chunk_scan_kernel[(cdiv(P, block_p), n_spans, B * H)](
         q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
-        da_cs, da_cs_rev, dt, trap, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
+        da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
         S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2],
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
         **scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks),
         ADD_ENTRY=seg_entry is not None,
         BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=1,
+        num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}),
     )

@@ -30,7 +30,7 @@ from .triton_utils import (
     chunk_run_log_decay,
     load_rotated_gather,
     load_rows,
-    load_token_discretization,
+    load_token_weights,
     span_decay_offsets,
 )
 
@@ -38,7 +38,7 @@ from .triton_utils import (
 @triton.jit
 def _state_scan_kernel(
     k_ptr, v_ptr, cos_ptr, sin_ptr, k_bias_ptr, psi_ptr,
-    da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr,
     seg_state_ptr, states_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
@@ -104,8 +104,8 @@ def _state_scan_kernel(
         k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base, t_rows,
                                              row_r, row_mask, R * G * N, G * N, H * RD, offs_half, half_mask,
                                              N, RD, DOT_DTYPE, TRANSPOSED=True)
-        _, da_rev, _, trap_scale = load_token_discretization(
-            da_cs_seq, da_rev_ptr + disc_base, dt_ptr + disc_base, trap_ptr + disc_base, t_rows, S)
+        _, da_rev, _, trap_scale = load_token_weights(
+            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
         # exp(da_cs_rev) decays each token to the span end; it weighs psiv rows, not k~.
         _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
         if SPAN_CHUNKS > 1:
@@ -132,7 +132,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
                 SPAN_CHUNKS=span_chunks)
 
 
-def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
+def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
             num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1):
     B, S, R, G, N = k.shape
@@ -143,7 +143,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, d
                      span_chunks=span_chunks)
     tiles = cdiv(N // 2, meta["BLOCK_HALF"]) * cdiv(P, block_p)
     _state_scan_kernel[(tiles, segments_launched, B * H)](
-        k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, dt, trap, seg_state, states,
+        k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
         S, H, G, H // G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
@@ -163,8 +163,8 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
 
     Args (contiguous; see ``mamba3_mimo.api`` for validation), passed on to the kernel launch:
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
-        k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, dt: [B, H, S] fp32;
-        trap: [B, H, S]; chunk_size, n_segments, chunks_per_segment, block_half, block_p,
+        k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
+        fp32 (``token_weights``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps; chunks_per_segment must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or

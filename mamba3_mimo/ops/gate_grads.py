@@ -18,8 +18,11 @@ import triton.language as tl
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import load_rows, rank_gate_grads
 
-# Elements of one [tokens, P] tile: 16 fp32 registers a thread at 8 warps.
-TILE_ELEMENTS = 4096
+# Elements of one [tokens, P] tile: 16 per thread at 4 warps, ~127 registers (4 CTAs per SM).  Fewer
+# elements per thread cost more instructions each (the token sums cross threads once per rank); 4096 at 8
+# warps with the rank loop unrolled took 138 registers (1 CTA per SM) and moved 0.7 TB/s on
+# N128_P64_R4_C16 (173 us, sweep of 898b281).
+TILE_ELEMENTS = 2048
 
 
 @triton.jit
@@ -44,7 +47,7 @@ def _gate_grads_kernel(
     dz = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
     y_seq = raw_y_ptr + bh * S * R * P
     part = (bh * N_BLOCKS + block) * R * P + offs_p
-    for r in tl.static_range(R):
+    for r in range(R):  # not unrolled: one rank's tiles live at a time, several programs per SM
         raw_y = load_rows(y_seq + r * P, t * (R * P), t_mask, offs_p, p_mask)
         phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
         zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
@@ -58,7 +61,7 @@ def _gate_grads_kernel(
                  mask=t_mask[:, None] & p_mask[None, :])
 
 
-def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, num_warps=8):
+def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, num_warps=4):
     """Write ``dz`` and return the per-token-block partials of dPhi and dZeta.
 
     Args (contiguous): raw_y: [B, H, S, R, P] from ``chunk_scan``; dout, z: [B, S, H, P] (z may be
@@ -77,6 +80,6 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, num_warps=8):
     _gate_grads_kernel[(n_blocks, B * H)](
         raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o, dz if has_z else dout,
         dphi, dzeta if has_z else dphi, S, H, n_blocks,
-        R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, HAS_Z=has_z, num_warps=num_warps,
+        R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, HAS_Z=has_z, num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

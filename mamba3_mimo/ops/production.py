@@ -32,6 +32,7 @@ from .gate_grads import gate_grads
 from .group_sum import sum_group_partials
 from .host_utils import cdiv, next_power_of_2
 from .state_passing import segment_entry_states
+from .token_weights import token_weights
 
 # Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
 # [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two with [2 x 64, 64] tiles (254
@@ -70,6 +71,8 @@ class ScanConfig:
     then ``gate_grads`` (the gate gradients, streaming over tokens), instead of the fused
     ``chunk_output``; out_block_p / out_num_warps / out_span_chunks then shape ``chunk_scan``, and
     chunks_per_program / ranks_per_step are unused.
+    out_max_registers: register cap per thread of ``chunk_scan`` (0: the compiler's choice); 168 fits
+    three 4-warp programs per SM instead of two.
     """
 
     block_p: int
@@ -84,6 +87,7 @@ class ScanConfig:
     end_span_chunks: int = 1
     local_states: bool = False
     split_gate: bool = False
+    out_max_registers: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -93,6 +97,8 @@ class ScanConfig:
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.out_max_registers and not 24 <= self.out_max_registers <= 255:
+            raise ValueError(f"ScanConfig.out_max_registers must be 0 or in 24..255, got {self.out_max_registers}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
         for name in ("num_warps", "out_num_warps"):
@@ -141,6 +147,10 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # registers instead of 128).  The single pass wants about one wave of scan programs: half the
     # segments, at least 4.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
+    # The split output stage (chunk_scan + gate_grads) takes local states on every shape: chunk_scan has
+    # the registers for the entry correction.  To be measured (sweep of this commit).
+    split_gate = True
+    local_states = local_states or split_gate
     if local_states:
         want_segments = max(min(want_segments, 4), want_segments // 2)
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
@@ -159,10 +169,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
+    out_max_registers = 0
+    if split_gate:
+        out_num_warps = 8 if N >= 256 else 4
+        if N <= 128 and out_block_p <= 64 and R >= 2:
+            out_max_registers = 168
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
-                      local_states=local_states)
+                      local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,8 +201,9 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     local = config.local_states and n_segments > 1
     # cos/sin once per (token, head), not once per (row, program) inside the kernels.
     cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
+    gamma, trap_scale = token_weights(dt=dt, trap=trap)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
-                da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, chunk_size=chunk_size,
+                da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps)
@@ -207,15 +223,16 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     if config.split_gate:
         raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype(q, k, v, dout))
         chunk_scan(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,
-                   mimo_v=mimo_v, d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
+                   mimo_v=mimo_v, d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff,
                    qk_dot=qk_dot, raw_y=raw_y, chunk_size=chunk_size, block_p=config.out_block_p,
                    dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.out_num_warps,
-                   span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment)
+                   span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment,
+                   max_registers=config.out_max_registers)
         dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz)
     else:
         dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                    q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
-                                   da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, states=handoff,
+                                   da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff,
                                    qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
                                    chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
                                    dot_dtype=dot_dtype, dot_precision=dot_precision,

@@ -31,12 +31,21 @@ def rotate_half(x_lo, x_hi, cos, sin):
 
 
 @triton.jit
+def trapezoid_weights(dt, trap, dt_next, trap_next):
+    """(gamma, trap_scale) of a token from its dt and trap and those of the next token (0 past S - 1).
+
+      gamma      = dt[t] * sigmoid(trap[t])                (weight of token t on itself)
+      trap_scale = gamma[t] + dt[t+1] * sigmoid(-trap[t+1]) (weight of token t on later tokens)
+    """
+    gamma = dt * tl.sigmoid(trap)
+    return gamma, gamma + dt_next * tl.sigmoid(-trap_next)
+
+
+@triton.jit
 def load_token_discretization(da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, t_abs, S):
     """Per-position discretization terms at absolute positions ``t_abs`` of one (b, h).
 
-    Returns (da_cs, da_cs_rev, gamma, trap_scale), fp32, shaped like ``t_abs``:
-      gamma      = dt[t] * sigmoid(trap[t])                (weight of token t on itself)
-      trap_scale = gamma[t] + dt[t+1] * sigmoid(-trap[t+1]) (weight of token t on later tokens)
+    Returns (da_cs, da_cs_rev, gamma, trap_scale), fp32, shaped like ``t_abs`` (``trapezoid_weights``).
     Positions past S behave as padding: dt = 0, da_cs = da_cs[S-1].
     """
     valid = t_abs < S
@@ -47,8 +56,22 @@ def load_token_discretization(da_cs_ptr, da_rev_ptr, dt_ptr, trap_ptr, t_abs, S)
     trap = tl.load(trap_ptr + t_abs, mask=valid, other=0.0).to(tl.float32)
     dt_next = tl.load(dt_ptr + t_abs + 1, mask=next_valid, other=0.0).to(tl.float32)
     trap_next = tl.load(trap_ptr + t_abs + 1, mask=next_valid, other=0.0).to(tl.float32)
-    gamma = dt * tl.sigmoid(trap)
-    trap_scale = gamma + dt_next * tl.sigmoid(-trap_next)
+    gamma, trap_scale = trapezoid_weights(dt, trap, dt_next, trap_next)
+    return da_cs, da_rev, gamma, trap_scale
+
+
+@triton.jit
+def load_token_weights(da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, t_abs, S):
+    """(da_cs, da_cs_rev, gamma, trap_scale) at absolute positions ``t_abs`` of one (b, h), fp32.
+
+    As ``load_token_discretization``, with gamma and trap_scale read from the tables of
+    ``token_weights``; positions past S behave as padding (da_cs = da_cs[S-1], the rest 0).
+    """
+    valid = t_abs < S
+    da_cs = tl.load(da_cs_ptr + tl.minimum(t_abs, S - 1))
+    da_rev = tl.load(da_rev_ptr + t_abs, mask=valid, other=0.0)
+    gamma = tl.load(gamma_ptr + t_abs, mask=valid, other=0.0)
+    trap_scale = tl.load(trap_scale_ptr + t_abs, mask=valid, other=0.0)
     return da_cs, da_rev, gamma, trap_scale
 
 
@@ -259,13 +282,14 @@ def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr):
     Returns (dPhi term, dZeta term, dz term), each [rows, cols]; without Z the gate is 1 and the
     last two are zeros.
     """
+    y_dout = raw_y * dout
     if HAS_Z:
         gate, dgate = silu_and_grad(z * zeta)
-        du = dout * phi * raw_y * dgate
-        return gate * raw_y * dout, du * z, du * zeta
+        du = y_dout * dgate * phi
+        return gate * y_dout, du * z, du * zeta
     else:
         zero = tl.zeros_like(raw_y)
-        return raw_y * dout, zero, zero
+        return y_dout, zero, zero
 
 
 @triton.jit
