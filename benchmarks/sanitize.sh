@@ -3,6 +3,7 @@
 # (benchmarks/sanitize_driver.py: both impls, Z on/off, a tail, several P tiles and segments).
 # Logs go to $OUT (or ./gpu_out/sanitize, git-ignored). Exit status 0 only if every tool reports no error.
 # usage: bash benchmarks/sanitize.sh [tool ...]      (default: memcheck racecheck initcheck)
+#        SANITIZE_CASES="split" bash benchmarks/sanitize.sh memcheck   (only the driver cases named so)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -23,7 +24,7 @@ fi
 
 # Plain run first: compiles every kernel into Triton's cache and checks the driver itself.
 echo "== driver without sanitizer"
-python3 benchmarks/sanitize_driver.py 2>&1 | tee "$OUT/sanitize_plain.log"
+python3 benchmarks/sanitize_driver.py ${SANITIZE_CASES:-} 2>&1 | tee "$OUT/sanitize_plain.log"
 plain=${PIPESTATUS[0]}
 if [ "$plain" -eq 2 ]; then
   echo "sanitize: no CUDA device, nothing to check" | tee "$OUT/sanitize_summary.txt"
@@ -42,7 +43,7 @@ for tool in "${tools[@]}"; do
   # API return codes would otherwise count as sanitizer errors.
   "$SANITIZER" --tool "$tool" ${extra[@]+"${extra[@]}"} --report-api-errors no --error-exitcode 99 \
     --print-limit 100 --log-file "$log" \
-    python3 benchmarks/sanitize_driver.py > "$OUT/sanitize_${tool}_stdout.log" 2>&1
+    python3 benchmarks/sanitize_driver.py ${SANITIZE_CASES:-} > "$OUT/sanitize_${tool}_stdout.log" 2>&1
   rc=$?
   summary="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 2 | sed 's/^=* *//' | tr '\n' ' ')"
   if [ $rc -eq 0 ]; then

@@ -6,7 +6,7 @@ that is not a power of two, grouped q/k heads, two query ranks per output step, 
 activations (different dot dtypes, so different compiled kernels).  Each call is checked against
 the other implementation, so a run that silently computes nothing fails too.
 
-    python benchmarks/sanitize_driver.py [--list]
+    python benchmarks/sanitize_driver.py [--list] [NAME_SUBSTRING]
 """
 
 import sys
@@ -32,6 +32,15 @@ WIDE_P = ScanConfig(block_p=32, n_segments=2, out_block_p=128, out_num_warps=4)
 # (7 chunks in 3 segments, output spans of 2 straddling a segment boundary; 5 chunks in 3 segments).
 LOCAL = ScanConfig(block_p=32, n_segments=3, out_block_p=32, out_span_chunks=2, local_states=True)
 LOCAL_TILES = ScanConfig(block_p=16, n_segments=3, block_half=16, out_block_p=16, local_states=True)
+# The split output stage (chunk_scan + gate_grads) with local states: 64-wide N/2 tiles with P tiles of 32
+# (the launch that faulted in the sweep of 0fe3568), spans of 2 chunks of 8 with a 128-wide P tile, and the
+# register cap of the dispatcher.
+SPLIT_P32 = ScanConfig(block_p=32, n_segments=3, block_half=64, out_block_p=32, out_num_warps=4, local_states=True,
+                       split_gate=True)
+SPLIT_SPANS = ScanConfig(block_p=64, n_segments=2, block_half=64, out_block_p=128, out_num_warps=4, out_span_chunks=2,
+                         local_states=True, split_gate=True)
+SPLIT_CAPPED = ScanConfig(block_p=64, n_segments=3, block_half=64, out_block_p=64, out_num_warps=4, local_states=True,
+                          split_gate=True, out_max_registers=168)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -57,6 +66,12 @@ CASES = [
      dict(B=1, S=53, H=2, G=1, N=64, P=32, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-local-f32", "production", LOCAL_TILES,
      dict(B=2, S=70, H=2, G=1, N=64, P=40, R=2, chunk_size=16, dtype=F32, z=True, d=True)),
+    ("production-split-p32", "production", SPLIT_P32,
+     dict(B=1, S=80, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-spans", "production", SPLIT_SPANS,
+     dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
+    ("production-split-capped", "production", SPLIT_CAPPED,
+     dict(B=1, S=100, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=F32, z=False, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,
@@ -73,8 +88,12 @@ def main(argv):
     if not torch.cuda.is_available():
         print("sanitize_driver: needs a CUDA device", file=sys.stderr)
         return 2
+    only = [a for a in argv if not a.startswith("--")]
+    cases = [c for c in CASES if not only or any(o in c[0] for o in only)]
     failed = 0
     for i, (name, impl, config, shape) in enumerate(CASES):
+        if (name, impl, config, shape) not in cases:
+            continue
         inputs = make_inputs(**shape, device="cuda", seed=1000 + i)
         out = bwd_fwd(**inputs, impl=impl, config=config)
         other = bwd_fwd(**inputs, impl=OTHER[impl])
@@ -91,7 +110,7 @@ def main(argv):
                     bad.append(f"{out_name}: max rel diff {err:.2e}")
         failed += bool(bad)
         print(f"{name:26s} {'ok' if not bad else 'MISMATCH ' + '; '.join(bad)}", flush=True)
-    print(f"sanitize_driver: {len(CASES) - failed}/{len(CASES)} cases agree between implementations")
+    print(f"sanitize_driver: {len(cases) - failed}/{len(cases)} cases agree between implementations")
     return 1 if failed else 0
 
 

@@ -276,6 +276,8 @@ def run(args):
             runs = [("production", config) for config in configs] + [(i, None) for i in impls if i != "production"]
         case_records = []
         for impl, config in runs:
+            if args.sweep:  # a candidate that faults leaves the context unusable: say which one it was
+                print(f"[{index + 1}/{len(args.cases)}] {name} {impl} {config}: starting", file=sys.stderr, flush=True)
             try:
                 first_ms, ms, graph_ms, resources = time_impl(input_sets, impl, output_dtype, config=config)
             except Exception as exc:  # a candidate that does not compile or launch is reported, not fatal

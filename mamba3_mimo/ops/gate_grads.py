@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
-from .triton_utils import load_rows, rank_gate_grads
+from .triton_utils import load_rows, silu_and_grad
 
-# Elements of one [tokens, P] tile: 16 per thread at 4 warps, ~127 registers (4 CTAs per SM).  Fewer
+# Elements of one [tokens, P] tile: 16 per thread at 4 warps; capped at 128 registers (no spill as compiled for
+# sm_90), 4 CTAs per SM (the prefetch of the next rank's tile took it to 167 uncapped).  Fewer
 # elements per thread cost more instructions each (the token sums cross threads once per rank); 4096 at 8
 # warps with the rank loop unrolled took 138 registers (1 CTA per SM) and moved 0.7 TB/s on
 # N128_P64_R4_C16 (173 us, sweep of 898b281).
@@ -45,17 +46,25 @@ def _gate_grads_kernel(
     dout = load_rows(dout_ptr + hp_seq, tok_offs, t_mask, offs_p, p_mask)
     z = load_rows(z_ptr + hp_seq, tok_offs, t_mask & HAS_Z, offs_p, p_mask)
     dz = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
-    y_seq = raw_y_ptr + bh * S * R * P
+    tile_mask = t_mask[:, None] & p_mask[None, :]
+    y_rows = raw_y_ptr + bh * S * R * P + t[:, None] * (R * P) + offs_p[None, :]
     part = (bh * N_BLOCKS + block) * R * P + offs_p
+    y_next = tl.load(y_rows, mask=tile_mask, other=0.0)
     for r in range(R):  # not unrolled: one rank's tiles live at a time, several programs per SM
-        raw_y = load_rows(y_seq + r * P, t * (R * P), t_mask, offs_p, p_mask)
+        raw_y = y_next.to(tl.float32)
+        # The next rank's tile is in flight while this rank's gate math runs.
+        y_next = tl.load(y_rows + (r + 1) * P, mask=tile_mask & (r + 1 < R), other=0.0)
         phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-        zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-        dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout, z, phi_r, zeta_r, HAS_Z)
-        tl.store(dphi_ptr + part + r * P, dphi_r, mask=p_mask)
+        y_dout = raw_y * dout
         if HAS_Z:
-            tl.store(dzeta_ptr + part + r * P, dzeta_r, mask=p_mask)
-            dz += dz_r
+            zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
+            gate, dgate = silu_and_grad(z * zeta_r[None, :])
+            du_over_phi = y_dout * dgate  # dL/du without its Phi factor, which is constant over tokens
+            tl.store(dphi_ptr + part + r * P, tl.sum(gate * y_dout, axis=0), mask=p_mask)
+            tl.store(dzeta_ptr + part + r * P, phi_r * tl.sum(du_over_phi * z, axis=0), mask=p_mask)
+            dz += du_over_phi * (phi_r * zeta_r)[None, :]
+        else:
+            tl.store(dphi_ptr + part + r * P, tl.sum(y_dout, axis=0), mask=p_mask)
     if HAS_Z:
         tl.store(dz_ptr + hp_seq + tok_offs[:, None] + offs_p[None, :], dz.to(dz_ptr.dtype.element_ty),
                  mask=t_mask[:, None] & p_mask[None, :])
@@ -80,6 +89,6 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, num_warps=4):
     _gate_grads_kernel[(n_blocks, B * H)](
         raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o, dz if has_z else dout,
         dphi, dzeta if has_z else dphi, S, H, n_blocks,
-        R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, HAS_Z=has_z, num_warps=num_warps, num_stages=1,
+        R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, HAS_Z=has_z, num_warps=num_warps, num_stages=1, maxnreg=128,
     )
     return dphi, dzeta

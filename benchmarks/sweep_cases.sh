@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One-off device sweep of the split output stage, a case per process (a faulting candidate poisons its
+# CUDA context, so it may cost only its own case); per-case JSON under $OUT, a one-line summary per config.
+# usage: MAMBA3_COMMIT=<sha> CASES="..." KNOBS="..." bash benchmarks/sweep_cases.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+for c in ${CASES}; do
+  timeout ${CASE_TIMEOUT:-100} python3 -m mamba3_mimo.bench --cases $c --impl production --sweep --knobs ${KNOBS} \
+    --input-sets 2 --breakdown --json "$OUT/sw_$c.json" 2>&1 | grep -E "FAILED" | cut -c 1-400 | head -3
+done
+python3 - <<'PY'
+import glob, json, os
+for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
+    for r in json.load(open(f))["records"]:
+        c = r["config"]
+        print(r["case"], "split" if c["split_gate"] else "fused", "local" if c["local_states"] else "two",
+              c["out_num_warps"], c["out_block_p"], c["out_max_registers"], round(r["graph_ms"] * 1e3),
+              {k[1:12]: round(v) for k, v in r["breakdown_us"].items() if v > 3})
+PY
