@@ -32,11 +32,11 @@ WIDE_P = ScanConfig(block_p=32, n_segments=2, out_block_p=128, out_num_warps=4)
 # (7 chunks in 3 segments, output spans of 2 straddling a segment boundary; 5 chunks in 3 segments).
 LOCAL = ScanConfig(block_p=32, n_segments=3, out_block_p=32, out_span_chunks=2, local_states=True)
 LOCAL_TILES = ScanConfig(block_p=16, n_segments=3, block_half=16, out_block_p=16, local_states=True)
-# The split output stage (chunk_scan + gate_grads) with local states: 64-wide N/2 tiles with P tiles of 32
-# (the launch that faulted in the sweep of 0fe3568), spans of 2 chunks of 8 with a 128-wide P tile, and the
-# register cap of the dispatcher.
-SPLIT_P32 = ScanConfig(block_p=32, n_segments=3, block_half=64, out_block_p=32, out_num_warps=4, local_states=True,
-                       split_gate=True)
+# The split output stage (chunk_scan + gate_grads) with local states: 64-wide N/2 tiles with a partial second P
+# tile (P = 96; a 32-wide P tile at N/2 = 64 miscompiled, wrong values here and an illegal address at full
+# size, so chunk_scan refuses it), spans of 2 chunks of 8 with a 128-wide P tile, the dispatcher's register cap.
+SPLIT_P_TILES = ScanConfig(block_p=32, n_segments=3, block_half=64, out_block_p=64, out_num_warps=4,
+                           local_states=True, split_gate=True)
 SPLIT_SPANS = ScanConfig(block_p=64, n_segments=2, block_half=64, out_block_p=128, out_num_warps=4, out_span_chunks=2,
                          local_states=True, split_gate=True)
 SPLIT_CAPPED = ScanConfig(block_p=64, n_segments=3, block_half=64, out_block_p=64, out_num_warps=4, local_states=True,
@@ -66,8 +66,8 @@ CASES = [
      dict(B=1, S=53, H=2, G=1, N=64, P=32, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-local-f32", "production", LOCAL_TILES,
      dict(B=2, S=70, H=2, G=1, N=64, P=40, R=2, chunk_size=16, dtype=F32, z=True, d=True)),
-    ("production-split-p32", "production", SPLIT_P32,
-     dict(B=1, S=80, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-ptiles", "production", SPLIT_P_TILES,
+     dict(B=1, S=80, H=2, G=1, N=128, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("production-split-spans", "production", SPLIT_SPANS,
      dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-split-capped", "production", SPLIT_CAPPED,

@@ -364,3 +364,13 @@ def test_official_grid_split_gate(check_kernel, shape):
                            **sizes)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=dataclasses.replace(chosen, split_gate=True), **sizes)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_chunk_scan_refuses_the_miscompiled_tile(device):
+    """A 32-wide P tile at N/2 = 64 gave wrong values on the H200 (Triton 3.6): refused before launch."""
+    inputs = make_inputs(B=1, S=32, H=2, N=128, P=64, R=2, chunk_size=16, dtype=BF16, device=device, seed=3)
+    config = ScanConfig(block_p=64, n_segments=1, block_half=64, out_block_p=32, split_gate=True)
+    with pytest.raises(ValueError, match="miscompiles"):
+        api.bwd_fwd(**inputs, config=config)

@@ -171,6 +171,12 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
+    meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
+    if q.is_cuda and meta["BLOCK_HALF"] >= 64 and block_p < 64:
+        # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
+        # small sizes, an illegal address at full size; the interpreter computes the same launch right.
+        raise ValueError(f"chunk_scan: a P tile of {block_p} with N/2 = {N // 2} miscompiles on this Triton; "
+                         "use block_p >= 64")
     nch = cdiv(S, chunk_size)
     n_spans = cdiv(nch, span_chunks)
     _chunk_scan_kernel[(cdiv(P, block_p), n_spans, B * H)](
@@ -178,7 +184,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
         S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2],
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
-        **scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks),
+        **meta,
         ADD_ENTRY=seg_entry is not None,
         BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,

@@ -147,9 +147,14 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # registers instead of 128).  The single pass wants about one wave of scan programs: half the
     # segments, at least 4.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
-    # The split output stage (chunk_scan + gate_grads) takes local states on every shape: chunk_scan has
-    # the registers for the entry correction.  To be measured (sweep of this commit).
-    split_gate = True
+    # The split output stage (chunk_scan + gate_grads, docs/optimization.md section 15) where it was measured
+    # faster, N >= 128 with a 64-wide P tile (graph us, fused -> split, sweeps of 0fe3568 and cdd7170):
+    # N128_P64_R4_C16 570 -> 468, N128_P64_R8_C8 1329 -> 911, N128_P64_R2_C32 317 -> 271, N128_P64_R1_C64
+    # 224 -> 184, N256_P64_R4_C8 1089 -> 1051.  It loses at P = 128 (gate_grads over 128-wide rows:
+    # N64_P128_R4_C16 782 -> 869, N128_P128_R4_C8 1094 -> 1220) and ties or loses at N <= 64 (N16 355 -> 379,
+    # N32 322 -> 348, N64_P64 451 -> 453); at P = 32 its 32-wide tiles miscompile (chunk_scan).  chunk_scan
+    # has the registers for the entry correction, so the split stage always takes local states.
+    split_gate = N >= 128 and p_pow == 64
     local_states = local_states or split_gate
     if local_states:
         want_segments = max(min(want_segments, 4), want_segments // 2)
@@ -171,8 +176,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     chunks_per_program = 1
     out_max_registers = 0
     if split_gate:
-        out_num_warps = 8 if N >= 256 else 4
-        if N <= 128 and out_block_p <= 64 and R >= 2:
+        # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
+        # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
+        # spill included); N = 256 spills 1.1 KB at that cap and runs uncapped.
+        out_num_warps = 4
+        if N <= 128:
             out_max_registers = 168
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
