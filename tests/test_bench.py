@@ -27,14 +27,14 @@ def test_sweep_moves_one_knob_at_a_time():
     assert chosen == choose_config(**SHAPE) and chosen in configs
     assert all(len(_moved(c, chosen)) <= 1 for c in configs)
     assert {c.out_block_p for c in configs} == {32, 64, 128}
-    assert {c.out_num_warps for c in configs} == {4, 8, 16}
-    assert len(configs) == len(set(configs)) == 1 + 2 + 2
+    assert {c.out_num_warps for c in configs} == {4, 8}  # 16 lost on every case swept (optimization.md 15)
+    assert len(configs) == len(set(configs)) == 1 + 2 + 1
 
 
 def test_sweep_moves_joined_knobs_together():
     chosen, configs = sweep_configs(**SHAPE, knob_names=["out_block_p+out_num_warps"])
     pairs = {(c.out_block_p, c.out_num_warps) for c in configs}
-    assert pairs == {(p, w) for p in (32, 64, 128) for w in (4, 8, 16)}
+    assert pairs == {(p, w) for p in (32, 64, 128) for w in (4, 8)}
     assert all(_moved(c, chosen) <= {"out_block_p", "out_num_warps"} for c in configs)
 
 

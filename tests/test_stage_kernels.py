@@ -1,6 +1,7 @@
-"""The small production stages on their own, against torch: the segment fold and the group sum.
+"""The small production stages on their own, against torch: the token weights, the segment fold, the
+gate gradients and the group sum.
 
-The composed path is checked against the float64 reference in test_kernels.py; here each of the two
+The composed path is checked against the float64 reference in test_kernels.py; here each of the
 short kernels is checked alone, with shapes that leave partial tiles, so a bug shows where it is.
 """
 
@@ -9,9 +10,13 @@ import math
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from conftest import seed_for
+from mamba3_mimo.ops.gate_grads import gate_grads
 from mamba3_mimo.ops.group_sum import sum_group_partials
 from mamba3_mimo.ops.state_passing import segment_entry_states
+from mamba3_mimo.ops.token_weights import token_weights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,3 +62,57 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
         chunk_ends = [min(c * C + C - 1, S - 1) for c in range(s * chunks_per_segment, (s + 1) * chunks_per_segment)]
         decay = da_cs[..., chunk_ends].double().sum(-1).exp()
         entry = entry * decay[..., None, None] + ends[:, :, s].double()
+
+
+@pytest.mark.parametrize("S", [1, 37, 1500])
+@pytest.mark.parametrize("trap_dtype", [torch.float32, torch.bfloat16])
+def test_token_weights(request, S, trap_dtype):
+    """gamma = dt sigmoid(trap), trap_scale = gamma + next dt sigmoid(-next trap); none after S - 1."""
+    gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
+    B, H = 2, 3
+    dt = torch.rand((B, H, S), generator=gen, dtype=torch.float32) * 0.5
+    trap = torch.randn((B, H, S), generator=gen, dtype=torch.float32).to(trap_dtype)
+    dt_dev, trap_dev = dt.to(DEVICE), trap.to(DEVICE)
+    gamma, trap_scale = token_weights(dt=dt_dev, trap=trap_dev)
+    t = trap.double()
+    want_gamma = dt.double() * torch.sigmoid(t)
+    nxt = F.pad(dt.double()[..., 1:] * torch.sigmoid(-t[..., 1:]), (0, 1))
+    torch.testing.assert_close(gamma.cpu().double(), want_gamma, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(trap_scale.cpu().double(), want_gamma + nxt, atol=1e-6, rtol=1e-5)
+    assert torch.equal(dt_dev.cpu(), dt) and torch.equal(trap_dev.cpu(), trap)
+
+
+@pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128)])
+@pytest.mark.parametrize("has_z", [True, False])
+def test_gate_grads(request, S, R, P, has_z):
+    """dz, and the per-block partials of dPhi / dZeta summed over blocks, against the formulas of
+    SPEC section 3 in float64: partial token blocks, P past a power of two, ranks not a power of two."""
+    gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
+    B, H = 2, 2
+    raw_y = torch.randn((B, H, S, R, P), generator=gen, dtype=torch.float32)
+    dout = torch.randn((B, S, H, P), generator=gen, dtype=torch.float32)
+    z = torch.randn((B, S, H, P), generator=gen, dtype=torch.float32) if has_z else None
+    phi = torch.randn((H, R, P), generator=gen, dtype=torch.float32)
+    zeta = torch.randn((H, R, P), generator=gen, dtype=torch.float32) if has_z else None
+    dz = torch.full((B, S, H, P), float("nan"), device=DEVICE) if has_z else None
+
+    def dev(x):
+        return None if x is None else x.to(DEVICE)
+
+    dphi_part, dzeta_part = gate_grads(raw_y=dev(raw_y), dout=dev(dout), z=dev(z), mimo_o=dev(phi),
+                                       mimo_z=dev(zeta), dz=dz)
+    y = raw_y.double()
+    g = dout.double().permute(0, 2, 1, 3)[:, :, :, None]  # [B, H, S, 1, P]
+    if has_z:
+        u = z.double().permute(0, 2, 1, 3)[:, :, :, None] * zeta.double()[None, :, None]
+        sig = torch.sigmoid(u)
+        gate, dgate = u * sig, sig * (1 + u * (1 - sig))
+        du = g * phi.double()[None, :, None] * y * dgate
+        want_dz = (du * zeta.double()[None, :, None]).sum(3).permute(0, 2, 1, 3)
+        want_dzeta = (du * z.double().permute(0, 2, 1, 3)[:, :, :, None]).sum(2)
+        torch.testing.assert_close(dz.cpu().double(), want_dz, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(dzeta_part.cpu().double().sum(2), want_dzeta, atol=1e-4, rtol=1e-5)
+    else:
+        gate = torch.ones_like(y)
+        assert dzeta_part is None
+    torch.testing.assert_close(dphi_part.cpu().double().sum(2), (gate * y * g).sum(2), atol=1e-4, rtol=1e-5)
