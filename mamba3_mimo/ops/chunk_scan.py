@@ -19,10 +19,7 @@ import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
-    chunk_rows,
     intra_chunk_weights,
-    load_angle_tiles,
-    load_biased_halves,
     load_entering_state,
     load_rows,
     load_token_weights,

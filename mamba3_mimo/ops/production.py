@@ -231,8 +231,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     if config.split_gate:
         raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype(q, k, v, dout))
         chunk_scan(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,
-                   mimo_v=mimo_v, d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff,
-                   qk_dot=qk_dot, raw_y=raw_y, chunk_size=chunk_size, block_p=config.out_block_p,
+                   mimo_v=mimo_v, d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale,
+                   states=handoff, qk_dot=qk_dot, raw_y=raw_y, chunk_size=chunk_size, block_p=config.out_block_p,
                    dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.out_num_warps,
                    span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment,
                    max_registers=config.out_max_registers)
