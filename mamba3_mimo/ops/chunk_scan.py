@@ -1,8 +1,9 @@
 """Stage 3 of the split output path: the pre-gate output ``raw_y`` of every chunk, all ranks at once.
 
 One program owns one (b, h), one span of chunks and one tile of P columns.  The span's
-(token, rank) pairs are the rows of every tile, ``row = t_local * R + r``, on the query side and on
-the key side alike, so the whole chunk is three wide products instead of a loop over query ranks:
+(token, rank) pairs are the rows of every tile, ``row = t_local * BLOCK_R + r`` (BLOCK_R =
+next_pow2(R); padding ranks are masked), on the query side and on the key side alike, so the whole
+chunk is three wide products instead of a loop over query ranks:
 
     scores = q~ k~^T                                    [rows, rows]; same-token blocks are qk_dot
     raw_y  = (scores * W) psiv + exp(da_cs) (q~ state_in) + D psiv          [rows, P tile]
@@ -136,7 +137,7 @@ def _chunk_scan_kernel(
     tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
 
 
-def scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
+def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
     """Block sizes of the chunk scan: rows = a span's (token, rank) pairs, every tl.dot dimension >= 16."""
     block_r = next_power_of_2(R)
     return dict(BLOCK_L=max(next_power_of_2(chunk_size * span_chunks), 16 // min(block_r, 16)), BLOCK_R=block_r,
@@ -168,7 +169,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
-    meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
+    meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
     if q.is_cuda and meta["BLOCK_HALF"] >= 64 and block_p < 64:
         # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
         # small sizes, an illegal address at full size; the interpreter computes the same launch right.

@@ -1,23 +1,30 @@
 """The production bwd_fwd: state scans over sequence segments, then the chunk-parallel outputs.
 
-Launches (docs/design.md), in one of two schedules that ``ScanConfig.local_states`` picks:
+Launches (docs/design.md): ``token_weights`` (gamma and trap_scale per token), then one of two
+scan schedules that ``ScanConfig.local_states`` picks:
 
 two passes:
 1. ``segment_end_states``: each sequence segment's own end state (skipped with one segment);
 2. ``chunk_states``: the state entering every chunk, written to ``states``;
-3. ``chunk_output``: qk_dot, dz and the Phi / Zeta partials, one program per chunk group;
 
 local states (one scan pass):
 1. ``chunk_local_states``: every segment from a zero state: segment-local ``states`` and end states;
-2. ``segment_entry_states``: the state entering every segment, from the end states;
-3. ``chunk_output`` adds each chunk's decayed entry state, uses it and writes ``states`` back;
+2. ``segment_entry_states``: the state entering every segment, from the end states; the output
+   stage adds each chunk's decayed entry state and writes ``states`` back;
 
-and in both, ``sum_group_partials``: the Phi / Zeta gradients from the partials.
+then one of two output stages that ``ScanConfig.split_gate`` picks:
 
-``choose_config`` is the shape dispatcher: it sizes the state tiles and the
-number of segments so that the serial scans have enough programs to fill
-the GPU, picks the schedule, and the spans and rank steps of the output stage.
-Every config covers the whole contract, so the choice is about speed only.
+fused: ``chunk_output``: qk_dot, dz and the Phi / Zeta partials, one program per chunk group;
+split: ``chunk_scan`` (raw_y of all ranks at once, and qk_dot) then ``gate_grads`` (dz and the
+       Phi / Zeta partials, streaming over tokens);
+
+and last ``sum_group_partials``: the Phi / Zeta gradients from the partials.
+
+``choose_config`` is the shape dispatcher: it sizes the state tiles and the number of segments so
+that the serial scans have enough programs to fill the GPU, picks the schedules, and the spans and
+rank steps of the output stage.  Every config it picks covers the whole contract, so the choice is
+about speed only; an explicit config a kernel cannot run is refused before any launch (chunk_scan's
+32-wide P tile at N >= 128 on CUDA).
 """
 
 import functools
