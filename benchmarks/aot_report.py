@@ -26,18 +26,11 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mamba3_mimo import api  # noqa: E402
-from mamba3_mimo.bench import OFFICIAL_CASES, parse_case  # noqa: E402
-from mamba3_mimo.ops import (chunk_output, chunk_scan, chunk_state, gate_grads, group_sum, stage0,  # noqa: E402
-                              state_passing, token_weights)
+from mamba3_mimo.bench import OFFICIAL_CASES, jit_kernels, parse_case  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-KERNELS = {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
-           "chunk_scan": chunk_scan._chunk_scan_kernel, "gate_grads": gate_grads._gate_grads_kernel,
-           "token_weights": token_weights._token_weights_kernel,
-           "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
-           "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
-           "serial_scan": stage0._serial_scan_kernel}
+KERNELS = jit_kernels()
 
 
 def capture_launches(run_impl):

@@ -77,11 +77,14 @@ def copy_bandwidth(device, nbytes=2 << 30):
     return 2 * nbytes / (ms * 1e-3)
 
 
-def _jit_kernels():
-    from .ops import chunk_output, chunk_scan, chunk_state, gate_grads, stage0
+def jit_kernels():
+    """Every Triton kernel of both implementations by short name (the bench and benchmarks/aot_report.py)."""
+    from .ops import chunk_output, chunk_scan, chunk_state, gate_grads, group_sum, stage0, state_passing, token_weights
 
     return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
             "chunk_scan": chunk_scan._chunk_scan_kernel, "gate_grads": gate_grads._gate_grads_kernel,
+            "token_weights": token_weights._token_weights_kernel,
+            "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
 
@@ -98,7 +101,7 @@ def _compiled_variants(jit_fn):
 def kernel_resources(before):
     """Shared memory, registers and spills of the kernels compiled since ``before`` (a snapshot)."""
     report = {}
-    for name, fn in _jit_kernels().items():
+    for name, fn in jit_kernels().items():
         new = [k for k in _compiled_variants(fn) if id(k) not in before]
         for kernel in new:
             shared = int(getattr(kernel.metadata, "shared", 0))
@@ -110,7 +113,7 @@ def kernel_resources(before):
 
 
 def _snapshot():
-    return {id(k) for fn in _jit_kernels().values() for k in _compiled_variants(fn)}
+    return {id(k) for fn in jit_kernels().values() for k in _compiled_variants(fn)}
 
 
 def graph_time(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
