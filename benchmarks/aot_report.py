@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.bench import OFFICIAL_CASES, jit_kernels, parse_case  # noqa: E402
+from mamba3_mimo.ops import host_utils  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -72,6 +73,7 @@ def compile_as_cuda():
     CPU tensors pass validation only in interpreter mode; nothing is launched by the callers here.
     """
     api.interpreter_enabled = lambda: True
+    host_utils.compiled_for_gpu = lambda tensor: True
     cuda = torch.device("cuda")
     dot_operands, kernel_output_dtype = api.dot_operands, api.kernel_output_dtype
     api.dot_operands = lambda dtypes, device: dot_operands(dtypes, cuda)

@@ -173,7 +173,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
     """Candidate production configs: the dispatcher's choice and one knob moved at a time.
 
     ``knob_names``: the ScanConfig fields to move (default: every knob below); a name of the form
-    ``a+b`` moves a and b together (every pair of their values).
+    ``a+b`` moves a and b together (every pair of their values).  Moving ``split_gate`` starts from the
+    dispatcher's config for that output stage (its warps, register cap and state schedule).
     """
     import dataclasses
     import itertools
@@ -199,6 +200,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
         local_states=[False, True],
         split_gate=[False, True],
         out_max_registers=[0, 168],
+        gate_tokens=[32, 64, 128, 256],
+        scan_stages=[1, 2],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:
@@ -209,12 +212,19 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
     candidates = {chosen}
     for group in groups:
         for values in itertools.product(*(knobs[name] for name in group)):
+            overrides = dict(zip(group, values))
+            base = chosen
+            if "split_gate" in overrides:
+                base = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
+                                     split_gate=overrides.pop("split_gate"))
             try:
-                candidate = dataclasses.replace(chosen, **dict(zip(group, values)))
+                candidate = dataclasses.replace(base, **overrides)
             except ValueError:
                 continue
             if candidate.local_states:  # the one-pass schedule has no end-state scan: its span is moot
                 candidate = dataclasses.replace(candidate, end_span_chunks=1)
+            if not candidate.split_gate:  # the fused output stage has no gate_grads pass
+                candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens)
             candidates.add(candidate)
     order = [f.name for f in dataclasses.fields(ScanConfig)]
     return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import seed_for
-from mamba3_mimo.ops.gate_grads import gate_grads
+from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
 from mamba3_mimo.ops.group_sum import sum_group_partials
 from mamba3_mimo.ops.state_passing import segment_entry_states
 from mamba3_mimo.ops.token_weights import token_weights
@@ -84,9 +84,11 @@ def test_token_weights(request, S, trap_dtype):
 
 @pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128)])
 @pytest.mark.parametrize("has_z", [True, False])
-def test_gate_grads(request, S, R, P, has_z):
-    """dz, and the per-block partials of dPhi / dZeta summed over blocks, against the formulas of
-    SPEC section 3 in float64: partial token blocks, P past a power of two, ranks not a power of two."""
+@pytest.mark.parametrize("tokens_per_program", [64, 20])
+def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
+    """dz, and the per-range partials of dPhi / dZeta summed over ranges, against the formulas of
+    SPEC section 3 in float64: partial token blocks and ranges, several ranges (20 tokens, rounded up
+    to whole tiles), two P blocks (P = 128), P past a power of two, ranks not a power of two."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 2
     raw_y = torch.randn((B, H, S, R, P), generator=gen, dtype=torch.float32)
@@ -100,7 +102,10 @@ def test_gate_grads(request, S, R, P, has_z):
         return None if x is None else x.to(DEVICE)
 
     dphi_part, dzeta_part = gate_grads(raw_y=dev(raw_y), dout=dev(dout), z=dev(z), mimo_o=dev(phi),
-                                       mimo_z=dev(zeta), dz=dz)
+                                       mimo_z=dev(zeta), dz=dz, tokens_per_program=tokens_per_program)
+    block_t = gate_grads_meta(R=R, P=P)["BLOCK_T"]
+    range_tokens = -(-tokens_per_program // block_t) * block_t
+    assert dphi_part.shape == (B, H, -(-S // range_tokens), R, P)
     y = raw_y.double()
     g = dout.double().permute(0, 2, 1, 3)[:, :, :, None]  # [B, H, S, 1, P]
     if has_z:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import seed_for
+from conftest import requires_cuda, seed_for
 from mamba3_mimo.ops import triton_utils as tu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,3 +174,31 @@ def test_select_rows_sum(sum_dtype):
     expected = xd.view(M, F, cols).sum(1)
     tol = 1e-6 if sum_dtype == "fp32" else 3e-5
     torch.testing.assert_close(out.cpu().double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@triton.jit
+def _sigmoid_kernel(u_ptr, fast_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs)
+    tl.store(fast_ptr + offs, tu.fast_sigmoid(u))
+    silu, dsilu = tu.silu_and_grad(u, FAST_SIGMOID=True)
+    tl.store(silu_ptr + offs, silu)
+    tl.store(dsilu_ptr + offs, dsilu)
+
+
+@requires_cuda
+def test_fast_sigmoid():
+    """The PTX sigmoid (GPU only) within a few fp32 ulp of float64 over the whole range, 0 / 1 at the ends."""
+    block = 4096
+    u = torch.cat([torch.linspace(-30, 30, block - 8, dtype=torch.float64),
+                   torch.tensor([-1e4, -100, -88, -50, 50, 88, 100, 1e4], dtype=torch.float64)])
+    outs = [torch.full((block,), float("nan"), device="cuda") for _ in range(3)]
+    _sigmoid_kernel[(1,)](u.float().cuda(), *outs, BLOCK=block)
+    fast, silu, dsilu = (x.cpu().double() for x in outs)
+    u32 = u.float().double()  # the kernel's input, rounded to fp32
+    sig = torch.sigmoid(u32)
+    assert torch.isfinite(fast).all() and torch.isfinite(silu).all() and torch.isfinite(dsilu).all()
+    torch.testing.assert_close(fast, sig, atol=1e-38, rtol=4e-7)
+    torch.testing.assert_close(silu, u32 * sig, atol=1e-30, rtol=1e-6)
+    torch.testing.assert_close(dsilu, sig * (1 + u32 * (1 - sig)), atol=1e-6, rtol=1e-5)
+    assert fast[u32 < -100].eq(0).all() and fast[u32 > 20].eq(1).all()

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
     accumulate_rank_grads,
@@ -44,6 +45,7 @@ def _chunk_output_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
     ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     F: tl.constexpr = RANKS_PER_STEP
@@ -151,12 +153,13 @@ def _chunk_output_kernel(
             if F == 1:
                 dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
                     raw_y, rank_group, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q, d_skip, psi_head,
-                    phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D)
+                    phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D,
+                    FAST_SIGMOID)
             else:
                 dphi_acc, dzeta_acc, dz_acc = accumulate_rank_group_grads(
                     raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q,
                     d_skip, psi_head, phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, F, P,
-                    HAS_Z, HAS_D)
+                    HAS_Z, HAS_D, FAST_SIGMOID)
 
         if HAS_Z:
             t_tok = t0 + tok
@@ -244,7 +247,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         ADD_ENTRY=seg_entry is not None,
         BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        SUM_DTYPE=sum_dtype(dot_dtype, q.device),
+        SUM_DTYPE=sum_dtype(dot_dtype, q.device), FAST_SIGMOID=host_utils.compiled_for_gpu(q),
         num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

@@ -3,92 +3,131 @@
 ``out[t, p] = sum_r Phi[r, p] silu(z[t, p] Zeta[r, p]) raw_y[t, r, p]`` is linear in ``raw_y``
 given z, so once ``chunk_scan`` has stored raw_y the gradients are a streaming pass over tokens:
 
-    dPhi[r, p]  = sum_t gate raw_y dout                 (per token block, summed by ``sum_group_partials``)
+    dPhi[r, p]  = sum_t gate raw_y dout                 (per token range, summed by ``sum_group_partials``)
     dL/du       = dout Phi raw_y silu'(u),  u = z Zeta
     dz[t, p]    = sum_r dL/du Zeta[r, p],   dZeta[r, p] = sum_t dL/du z[t, p]
 
-One program owns one (b, h) and a block of tokens, all P columns, and walks the ranks: each rank's
-token sums are complete in the program, and dz is a running sum over ranks.
+One program owns one (b, h), a range of tokens and a block of P columns.  It walks the range in
+[tokens, ranks, cols] tiles (raw_y is contiguous in that order), so dz's rank sum stays inside a
+warp and the token sums of dPhi / dZeta are per-thread running sums, reduced across threads once per
+program instead of once per rank and token block.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from . import host_utils
 from .host_utils import cdiv, next_power_of_2
-from .triton_utils import load_rows, silu_and_grad
+from .triton_utils import silu_and_grad
 
-# Elements of one [tokens, P] tile: 16 per thread at 4 warps; capped at 128 registers (no spill as compiled for
-# sm_90), 4 CTAs per SM (the prefetch of the next rank's tile took it to 167 uncapped).  Fewer
-# elements per thread cost more instructions each (the token sums cross threads once per rank); 4096 at 8
-# warps with the rank loop unrolled took 138 registers (1 CTA per SM) and moved 0.7 TB/s on
-# N128_P64_R4_C16 (173 us, sweep of 898b281).
+# Elements of one [tokens, ranks, cols] tile: 16 per thread at 4 warps, so each thread's raw_y slice
+# is one 32-byte bf16 load and the two fp32 running sums take 32 registers.
 TILE_ELEMENTS = 2048
+MAX_BLOCK_P = 64
 
 
 @triton.jit
 def _gate_grads_kernel(
     raw_y_ptr, dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
-    S, H, N_BLOCKS,
-    R: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, HAS_Z: tl.constexpr,
+    S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM,
+    R: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr,
 ):
-    block = tl.program_id(0)
+    pid = tl.program_id(0)
+    token_range = pid // N_PBLOCKS
+    p_block = pid % N_PBLOCKS
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = t < S
-    offs_p = tl.arange(0, BLOCK_P)
-    p_mask = offs_p < P
+    ranks = tl.arange(0, BLOCK_R)[:, None, None]
+    offs_t = tl.arange(0, BLOCK_T)[None, :, None]
+    cols = p_block * BLOCK_P + tl.arange(0, BLOCK_P)[None, None, :]
+    rank_col_mask = (ranks < R) & (cols < P)
 
-    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
-    tok_offs = t * (H * P)
-    dout = load_rows(dout_ptr + hp_seq, tok_offs, t_mask, offs_p, p_mask)
-    z = load_rows(z_ptr + hp_seq, tok_offs, t_mask & HAS_Z, offs_p, p_mask)
-    dz = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
-    tile_mask = t_mask[:, None] & p_mask[None, :]
-    y_rows = raw_y_ptr + bh * S * R * P + t[:, None] * (R * P) + offs_p[None, :]
-    part = (bh * N_BLOCKS + block) * R * P + offs_p
-    y_next = tl.load(y_rows, mask=tile_mask, other=0.0)
-    for r in range(R):  # not unrolled: one rank's tiles live at a time, several programs per SM
-        raw_y = y_next.to(tl.float32)
-        # The next rank's tile is in flight while this rank's gate math runs.
-        y_next = tl.load(y_rows + (r + 1) * P, mask=tile_mask & (r + 1 < R), other=0.0)
-        phi_r = tl.load(phi_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-        y_dout = raw_y * dout
-        if HAS_Z:
-            zeta_r = tl.load(zeta_ptr + (h * R + r) * P + offs_p, mask=p_mask, other=0.0)
-            gate, dgate = silu_and_grad(z * zeta_r[None, :])
-            du_over_phi = y_dout * dgate  # dL/du without its Phi factor, which is constant over tokens
-            tl.store(dphi_ptr + part + r * P, tl.sum(gate * y_dout, axis=0), mask=p_mask)
-            tl.store(dzeta_ptr + part + r * P, phi_r * tl.sum(du_over_phi * z, axis=0), mask=p_mask)
-            dz += du_over_phi * (phi_r * zeta_r)[None, :]
-        else:
-            tl.store(dphi_ptr + part + r * P, tl.sum(y_dout, axis=0), mask=p_mask)
+    # Per (rank, col) constants; padding ranks and columns are 0, so their terms vanish.
+    head_rc = (h * R + ranks) * P + cols
+    phi = tl.load(phi_ptr + head_rc, mask=rank_col_mask, other=0.0)
     if HAS_Z:
-        tl.store(dz_ptr + hp_seq + tok_offs[:, None] + offs_p[None, :], dz.to(dz_ptr.dtype.element_ty),
-                 mask=t_mask[:, None] & p_mask[None, :])
+        zeta = tl.load(zeta_ptr + head_rc, mask=rank_col_mask, other=0.0)
+        dz_weight = phi * zeta
+
+    # Activations [B, S, H, P] at (b, t, h, col), read with a rank stride of 0: the same addresses for
+    # every rank of a warp, so the tiles share raw_y's layout and no layout conversion is needed.
+    act_offs = (b * S * H + h) * P + cols + offs_t * (H * P) + ranks * 0
+    y_offs = bh * S * R * P + offs_t * (R * P) + ranks * P + cols
+    cols_2d = p_block * BLOCK_P + tl.arange(0, BLOCK_P)[None, :]
+    dz_base = (b * S * H + h) * P
+    first = token_range.to(tl.int64) * TOKENS_PER_PROGRAM  # token offsets in int64: S * R * P may pass 2^31
+    last = tl.minimum(first + TOKENS_PER_PROGRAM, S)
+
+    dphi_acc = tl.zeros((BLOCK_R, BLOCK_T, BLOCK_P), dtype=tl.float32)
+    dzeta_acc = tl.zeros((BLOCK_R, BLOCK_T, BLOCK_P), dtype=tl.float32)
+    mask = (first + offs_t < last) & rank_col_mask
+    raw_y = tl.load(raw_y_ptr + y_offs + first * (R * P), mask=mask, other=0.0)
+    dout = tl.load(dout_ptr + act_offs + first * (H * P), mask=mask, other=0.0)
+    z = tl.load(z_ptr + act_offs + first * (H * P), mask=mask & HAS_Z, other=0.0)
+    for t0 in range(first, last, BLOCK_T):
+        # The next block's tiles are in flight while this block's gate math runs.
+        t_next = t0 + BLOCK_T
+        next_mask = (t_next + offs_t < last) & rank_col_mask
+        raw_y_next = tl.load(raw_y_ptr + y_offs + t_next * (R * P), mask=next_mask, other=0.0)
+        dout_next = tl.load(dout_ptr + act_offs + t_next * (H * P), mask=next_mask, other=0.0)
+        z_next = tl.load(z_ptr + act_offs + t_next * (H * P), mask=next_mask & HAS_Z, other=0.0)
+
+        y_dout = raw_y.to(tl.float32) * dout.to(tl.float32)
+        if HAS_Z:
+            z_f = z.to(tl.float32)
+            gate, dgate = silu_and_grad(z_f * zeta, FAST_SIGMOID)
+            du_over_phi = y_dout * dgate  # dL/du without its Phi factor, constant over tokens
+            dphi_acc += gate * y_dout
+            dzeta_acc += du_over_phi * z_f
+            dz = tl.sum(du_over_phi * dz_weight, axis=0)
+            dz_tokens = t0 + tl.arange(0, BLOCK_T)[:, None]
+            tl.store(dz_ptr + dz_base + dz_tokens * (H * P) + cols_2d, dz.to(dz_ptr.dtype.element_ty),
+                     mask=(dz_tokens < last) & (cols_2d < P))
+        else:
+            dphi_acc += y_dout
+        raw_y, dout, z = raw_y_next, dout_next, z_next
+
+    ranks_2d = tl.arange(0, BLOCK_R)[:, None]
+    part = (bh * N_RANGES + token_range) * R * P + ranks_2d * P + cols_2d
+    part_mask = (ranks_2d < R) & (cols_2d < P)
+    tl.store(dphi_ptr + part, tl.sum(dphi_acc, axis=1), mask=part_mask)
+    if HAS_Z:
+        tl.store(dzeta_ptr + part, tl.sum(phi * dzeta_acc, axis=1), mask=part_mask)
 
 
-def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, num_warps=4):
-    """Write ``dz`` and return the per-token-block partials of dPhi and dZeta.
+def gate_grads_meta(*, R, P):
+    """Tile sizes of ``gate_grads``: BLOCK_R = next_pow2(R) ranks, up to 64 columns, the rest tokens."""
+    block_r = next_power_of_2(R)
+    block_p = min(MAX_BLOCK_P, next_power_of_2(P))
+    block_t = max(1, TILE_ELEMENTS // (block_r * block_p))
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p)
+
+
+def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, tokens_per_program=64, num_warps=4):
+    """Write ``dz`` and return the per-token-range partials of dPhi and dZeta.
 
     Args (contiguous): raw_y: [B, H, S, R, P] from ``chunk_scan``; dout, z: [B, S, H, P] (z may be
         None); mimo_o, mimo_z: [H, R, P] fp32 (mimo_z None with z); dz: [B, S, H, P] or None.
+        tokens_per_program: the token range of one program (rounded up to whole tiles).
     Returns:
-        dphi_partial, dzeta_partial: [B, H, n_blocks, R, P] fp32 (dzeta_partial None without Z), to be
+        dphi_partial, dzeta_partial: [B, H, n_ranges, R, P] fp32 (dzeta_partial None without Z), to be
         summed over dim 2 by ``sum_group_partials``.
     """
     B, H, S, R, P = raw_y.shape
-    block_p = next_power_of_2(P)
-    block_t = max(16, min(128, TILE_ELEMENTS // block_p))
-    n_blocks = cdiv(S, block_t)
+    meta = gate_grads_meta(R=R, P=P)
+    tokens_per_program = cdiv(tokens_per_program, meta["BLOCK_T"]) * meta["BLOCK_T"]
+    n_ranges = cdiv(S, tokens_per_program)
+    n_pblocks = cdiv(P, meta["BLOCK_P"])
     has_z = z is not None
-    dphi = torch.empty((B, H, n_blocks, R, P), device=raw_y.device, dtype=torch.float32)
+    dphi = torch.empty((B, H, n_ranges, R, P), device=raw_y.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
-    _gate_grads_kernel[(n_blocks, B * H)](
+    _gate_grads_kernel[(n_ranges * n_pblocks, B * H)](
         raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o, dz if has_z else dout,
-        dphi, dzeta if has_z else dphi, S, H, n_blocks,
-        R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, HAS_Z=has_z, num_warps=num_warps, num_stages=1, maxnreg=128,
+        dphi, dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program,
+        R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y),
+        num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

@@ -80,6 +80,9 @@ class ScanConfig:
     chunks_per_program / ranks_per_step are unused.
     out_max_registers: register cap per thread of ``chunk_scan`` (0: the compiler's choice); 168 fits
     three 4-warp programs per SM instead of two.
+    gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
+    scan_stages: software-pipelining stages of the state scans' chunk loop (Triton's ``num_stages``;
+    2 stages the next chunk's loads in shared memory).
     """
 
     block_p: int
@@ -95,6 +98,8 @@ class ScanConfig:
     local_states: bool = False
     split_gate: bool = False
     out_max_registers: int = 0
+    gate_tokens: int = 64
+    scan_stages: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -106,6 +111,10 @@ class ScanConfig:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.out_max_registers and not 24 <= self.out_max_registers <= 255:
             raise ValueError(f"ScanConfig.out_max_registers must be 0 or in 24..255, got {self.out_max_registers}")
+        if self.scan_stages not in (1, 2, 3):
+            raise ValueError(f"ScanConfig.scan_stages must be 1, 2 or 3, got {self.scan_stages}")
+        if self.gate_tokens < 1:
+            raise ValueError(f"ScanConfig.gate_tokens must be >= 1, got {self.gate_tokens}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
         for name in ("num_warps", "out_num_warps"):
@@ -115,8 +124,12 @@ class ScanConfig:
 
 # Cached: a call's host work is several times the device time on small problems (benchmarks/host_profile.py).
 @functools.lru_cache(maxsize=256)
-def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
-    """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md)."""
+def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
+    """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md).
+
+    ``split_gate``: force the split (True) or the fused (False) output stage, with the settings that go
+    with it; None: the dispatcher's rule.
+    """
     nch = cdiv(S, chunk_size)
     p_pow = max(16, next_power_of_2(P))
     half_pow = max(16, next_power_of_2(N // 2))
@@ -161,7 +174,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms):
     # N64_P128_R4_C16 782 -> 869, N128_P128_R4_C8 1094 -> 1220) and ties or loses at N <= 64 (N16 355 -> 379,
     # N32 322 -> 348, N64_P64 451 -> 453); at P = 32 its 32-wide tiles miscompile (chunk_scan).  chunk_scan
     # has the registers for the entry correction, so the split stage always takes local states.
-    split_gate = N >= 128 and p_pow == 64
+    if split_gate is None:
+        split_gate = N >= 128 and p_pow == 64
     local_states = local_states or split_gate
     if local_states:
         want_segments = max(min(want_segments, 4), want_segments // 2)
@@ -221,7 +235,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps)
+                dot_precision=dot_precision, num_warps=config.num_warps, num_stages=config.scan_stages)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
@@ -243,7 +257,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                    dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.out_num_warps,
                    span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment,
                    max_registers=config.out_max_registers)
-        dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz)
+        dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
+                                 tokens_per_program=config.gate_tokens)
     else:
         dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                    q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,

@@ -129,9 +129,30 @@ def intra_chunk_weights(row_t, col_t, row_mask, col_mask, da_row, da_col, gamma_
 
 
 @triton.jit
-def silu_and_grad(u):
-    """(silu(u), silu'(u)) with silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u)))."""
-    sig = tl.sigmoid(u)
+def fast_sigmoid(u):
+    """sigmoid(u) = 1 / (1 + 2^(-u log2 e)) on the GPU's approximate units, flushing denormals.
+
+    ``tl.sigmoid`` compiles to ex2 and a full-range division, each wrapped in range fix-ups: about
+    12 instructions against 4 here.  ex2.approx.ftz and rcp.approx.ftz are within 2 ulp of fp32 over
+    the range that matters; at u < -126 / log2 e the result flushes to 0, where sigmoid is below 1e-38.
+    Inline PTX: CUDA only, the Triton interpreter cannot run it (callers choose ``tl.sigmoid`` there).
+    """
+    exp_neg = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [u * -1.4426950408889634],
+                                        dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + exp_neg],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def silu_and_grad(u, FAST_SIGMOID: tl.constexpr = False):
+    """(silu(u), silu'(u)) with silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u))).
+
+    FAST_SIGMOID (CUDA only) takes ``fast_sigmoid`` instead of ``tl.sigmoid``.
+    """
+    if FAST_SIGMOID:
+        sig = fast_sigmoid(u)
+    else:
+        sig = tl.sigmoid(u)
     return u * sig, sig * (1.0 + u * (1.0 - sig))
 
 
@@ -255,7 +276,8 @@ def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask):
 @triton.jit
 def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip,
                           psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks, offs_p, p_mask,
-                          P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr):
+                          P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                          FAST_SIGMOID: tl.constexpr = False):
     """Finish query rank r of a chunk: add the D skip to raw_y, fold its gradients into the accumulators.
 
     raw_y: [tokens, cols] without the skip; dphi_acc, dzeta_acc: [BLOCK_R, cols] per-rank token
@@ -266,7 +288,7 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
         raw_y += (d_skip * v_tok) * psi_r[None, :]
     phi_r = tl.load(phi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
     zeta_r = tl.load(zeta_head_ptr + r * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z)
+    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z, FAST_SIGMOID)
     dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
     if HAS_Z:
         dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
@@ -275,17 +297,17 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
 
 
 @triton.jit
-def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr):
+def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
     """Per-element gradient terms of out = Phi * silu(z * Zeta) * raw_y (one query rank per element).
 
     raw_y, dout, z: [rows, cols] fp32 (z unused without Z); phi, zeta: broadcastable to them.
     Returns (dPhi term, dZeta term, dz term), each [rows, cols]; without Z the gate is 1 and the
-    last two are zeros.
+    last two are zeros.  FAST_SIGMOID: see ``silu_and_grad``.
     """
     # This order of the products is the one the fp32 dual benchmark was validated with (the MERE of
     # dmimo_o sits near its bound on some inputs: test_gpu_pairwise, B1-S64-H4-fp32-Z-noD, stage0).
     if HAS_Z:
-        gate, dgate = silu_and_grad(z * zeta)
+        gate, dgate = silu_and_grad(z * zeta, FAST_SIGMOID)
         du = dout * phi * raw_y * dgate
         return gate * raw_y * dout, du * z, du * zeta
     else:
@@ -294,14 +316,15 @@ def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr):
 
 
 @triton.jit
-def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr):
+def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
     """Gradient pieces of one query rank r of out = sum_r Phi * silu(z * Zeta) * raw_y.
 
     raw_y, dout_tok, z_tok: [tokens, cols] fp32 (z_tok unused without Z); phi_r, zeta_r: [cols].
     Returns (dPhi[r] token sum [cols], dZeta[r] token sum [cols], dz term of r [tokens, cols]);
     without Z the gate is 1 and the last two are zeros.
     """
-    dphi, dzeta, dz = gate_grad_terms(raw_y, dout_tok, z_tok, phi_r[None, :], zeta_r[None, :], HAS_Z)
+    dphi, dzeta, dz = gate_grad_terms(raw_y, dout_tok, z_tok, phi_r[None, :], zeta_r[None, :], HAS_Z,
+                                     FAST_SIGMOID)
     return tl.sum(dphi, axis=0), tl.sum(dzeta, axis=0), dz
 
 
@@ -309,7 +332,7 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr):
 def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_rows,
                                 dout_q, z_q, v_q, d_skip, psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks,
                                 offs_p, p_mask, F: tl.constexpr, P: tl.constexpr, HAS_Z: tl.constexpr,
-                                HAS_D: tl.constexpr):
+                                HAS_D: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
     """``accumulate_rank_grads`` for a query tile of F ranks: row i is token q_t[i], rank q_rank[i].
 
     q_local = q_rank - rank_group * F (0..F-1); dz_rows: [rows, cols] running sum over rank groups,
@@ -320,7 +343,7 @@ def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi
         raw_y += (d_skip * v_q) * load_rows(psi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     phi_q = load_rows(phi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     zeta_q = load_rows(zeta_head_ptr, param_offs, q_mask & HAS_Z, offs_p, p_mask)
-    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z)
+    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z, FAST_SIGMOID)
     for j in tl.static_range(F):
         in_rank = (q_local == j)[:, None]
         is_acc_row = ranks[:, None] == rank_group * F + j
