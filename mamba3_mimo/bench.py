@@ -201,7 +201,6 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
         split_gate=[False, True],
         out_max_registers=[0, 168],
         gate_tokens=[32, 64, 128, 256],
-        scan_stages=[1, 2],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:

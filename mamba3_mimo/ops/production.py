@@ -35,7 +35,7 @@ import torch
 from .chunk_output import chunk_output
 from .chunk_scan import chunk_scan, raw_y_dtype
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
-from .gate_grads import gate_grads
+from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
 from .host_utils import cdiv, next_power_of_2
 from .state_passing import segment_entry_states
@@ -81,8 +81,6 @@ class ScanConfig:
     out_max_registers: register cap per thread of ``chunk_scan`` (0: the compiler's choice); 168 fits
     three 4-warp programs per SM instead of two.
     gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
-    scan_stages: software-pipelining stages of the state scans' chunk loop (Triton's ``num_stages``;
-    2 stages the next chunk's loads in shared memory).
     """
 
     block_p: int
@@ -99,7 +97,6 @@ class ScanConfig:
     split_gate: bool = False
     out_max_registers: int = 0
     gate_tokens: int = 64
-    scan_stages: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -111,8 +108,6 @@ class ScanConfig:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.out_max_registers and not 24 <= self.out_max_registers <= 255:
             raise ValueError(f"ScanConfig.out_max_registers must be 0 or in 24..255, got {self.out_max_registers}")
-        if self.scan_stages not in (1, 2, 3):
-            raise ValueError(f"ScanConfig.scan_stages must be 1, 2 or 3, got {self.scan_stages}")
         if self.gate_tokens < 1:
             raise ValueError(f"ScanConfig.gate_tokens must be >= 1, got {self.gate_tokens}")
         if self.chunks_per_program < 1:
@@ -167,15 +162,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
     # registers instead of 128).  The single pass wants about one wave of scan programs: half the
     # segments, at least 4.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
-    # The split output stage (chunk_scan + gate_grads, docs/optimization.md section 15) where it was measured
-    # faster, N >= 128 with a 64-wide P tile (graph us, fused -> split, sweeps of 0fe3568 and cdd7170):
-    # N128_P64_R4_C16 570 -> 468, N128_P64_R8_C8 1329 -> 911, N128_P64_R2_C32 317 -> 271, N128_P64_R1_C64
-    # 224 -> 184, N256_P64_R4_C8 1089 -> 1051.  It loses at P = 128 (gate_grads over 128-wide rows:
-    # N64_P128_R4_C16 782 -> 869, N128_P128_R4_C8 1094 -> 1220) and ties or loses at N <= 64 (N16 355 -> 379,
-    # N32 322 -> 348, N64_P64 451 -> 453); at P = 32 its 32-wide tiles miscompile (chunk_scan).  chunk_scan
-    # has the registers for the entry correction, so the split stage always takes local states.
+    # The split output stage (chunk_scan + gate_grads, docs/optimization.md sections 15-16) everywhere it
+    # was measured faster; with gate_grads over token ranges (sweep of cfaa417, graph us, fused -> split)
+    # N16_P64_R4_C8 331 -> 318, N64_P128_R4_C16 728 -> 625, N128_P64_R4_C16 547 -> 407, N128_P64_R8_C8
+    # 1285 -> 837; N128_P128_R4_C8 tied (1054 -> 1060).  chunk_scan has the registers for the entry
+    # correction, so the split stage always takes local states.
     if split_gate is None:
-        split_gate = N >= 128 and p_pow == 64
+        split_gate = True
     local_states = local_states or split_gate
     if local_states:
         want_segments = max(min(want_segments, 4), want_segments // 2)
@@ -196,6 +189,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
     out_max_registers = 0
+    gate_tokens = ScanConfig.gate_tokens
     if split_gate:
         # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
         # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
@@ -203,10 +197,29 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
         out_num_warps = 4
         if N <= 128:
             out_max_registers = 168
+        if half_pow >= 64:
+            out_block_p = max(out_block_p, 64)  # narrower P tiles miscompile there (chunk_scan)
+        gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
-                      local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers)
+                      local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
+                      gate_tokens=gate_tokens)
+
+
+def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
+    """Tokens per ``gate_grads`` program: 32 tiles, fewer while that leaves under 2 programs per SM.
+
+    Sweep of cfaa417 (gate_grads us at 32 / 64 / 128 / 256 tokens): N128_P64_R4_C16 116 / 83 / 66 / 56,
+    N64_P128_R4_C16 219 / 159 / 128 / 112, N128_P64_R8_C8 179 / 161 / 153 / 189 (8-token tiles at R = 4,
+    4-token tiles at R = 8: the best is 32 tiles a program in both).
+    """
+    meta = gate_grads_meta(R=R, P=P)
+    tokens = 32 * meta["BLOCK_T"]
+    pblocks = cdiv(P, meta["BLOCK_P"])
+    while tokens > meta["BLOCK_T"] and B * H * pblocks * cdiv(S, tokens) < 2 * num_sms:
+        tokens //= 2
+    return tokens
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,7 +248,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps, num_stages=config.scan_stages)
+                dot_precision=dot_precision, num_warps=config.num_warps)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
