@@ -162,17 +162,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
     # registers instead of 128).  The single pass wants about one wave of scan programs: half the
     # segments, at least 4.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
-    # The split output stage (chunk_scan + gate_grads, docs/optimization.md sections 15-16) everywhere it
-    # was measured faster; with gate_grads over token ranges (sweep of cfaa417, graph us, fused -> split)
-    # N16_P64_R4_C8 331 -> 318, N64_P128_R4_C16 728 -> 625, N128_P64_R4_C16 547 -> 407, N128_P64_R8_C8
-    # 1285 -> 837; N128_P128_R4_C8 tied (1054 -> 1060).  chunk_scan has the registers for the entry
-    # correction, so the split stage always takes local states.
+    # The split output stage (chunk_scan + gate_grads, docs/optimization.md sections 15-16) everywhere: with
+    # gate_grads over token ranges it won on all 11 official shapes (sweep of 1de1006, graph us, fused ->
+    # split): N16_P64_R4_C8 331 -> 317, N32 316 -> 288, N64_P64 435 -> 400, N128_P64_R4_C16 546 -> 407,
+    # N256 1077 -> 901, N64_P128 727 -> 620, N128_P32 482 -> 343, N128_P128 1056 -> 918, R8_C8 1279 -> 837,
+    # R2_C32 365 -> 238, R1_C64 238 -> 172.
     if split_gate is None:
         split_gate = True
-    local_states = local_states or split_gate
-    if local_states:
-        want_segments = max(min(want_segments, 4), want_segments // 2)
-    n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     out_block_p = min(p_pow, 64)
     # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4:
     # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us, a since-reverted kernel variant):
@@ -185,6 +181,17 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
         # columns does the P-independent work (k~, scores, weights) once: N64_P128_R4_C16 949 -> 843,
         # N128_P128_R4_C8 1247 -> 1117 (255 registers, no spill; 8 and 16 warps lose).
         out_block_p, out_num_warps = 128, 4
+    if split_gate:
+        if half_pow >= 64:
+            out_block_p = max(out_block_p, 64)  # narrower P tiles miscompile there (chunk_scan)
+        # Local states where chunk_scan's [N, P tile] state is at most 128 x 64 (sweep of 1de1006, graph us,
+        # two passes -> local): N128_P64_R4_C16 455 -> 407, R8_C8 917 -> 837, N64_P128 697 -> 620 (64 x 128),
+        # N16 335 -> 317.  Beyond it the entry correction of a span of chunks costs chunk_scan more than the
+        # second scan pass: N256_P64_R4_C8 901 -> 986 (chunk_scan 333 -> 566), N128_P128_R4_C8 918 -> 1060.
+        local_states = N * out_block_p <= 128 * 64
+    if local_states:
+        want_segments = max(min(want_segments, 4), want_segments // 2)
+    n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
     chunks_per_program = 1
@@ -197,8 +204,6 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
         out_num_warps = 4
         if N <= 128:
             out_max_registers = 168
-        if half_pow >= 64:
-            out_block_p = max(out_block_p, 64)  # narrower P tiles miscompile there (chunk_scan)
         gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
