@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call at the end of a session: the GPU tests of the production path on the official grid and
-# the split output stage, then the official benchmark with Z on (production and stage0) and Z off.
+# One device call at the end of a session: the GPU tests of the production path on the official grid, the
+# split output stage and small configs of the fused one, the sanitizer's split cases (memcheck), then the
+# official benchmark with Z on (production and stage0) and Z off.
 # usage: MAMBA3_COMMIT=<sha> bash benchmarks/final_gpu.sh     (results under $OUT, or ./gpu_out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,9 +11,12 @@ mkdir -p "$OUT"
 status=0
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
-MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:warnings tests/test_kernels.py \
-  -k "(test_official_grid and not fused) or test_production_split_gate or miscompiled" 2>&1 | tail -n 6 \
+MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-230} python3 -m pytest -q -p no:warnings tests/test_kernels.py \
+  -k "(test_official_grid and not fused) or test_production_split_gate or test_production_configs or \
+  test_production_local_states or miscompiled" 2>&1 | tail -n 6 \
   | tee "$OUT/tests.log" || status=1
+SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-90} bash benchmarks/sanitize.sh memcheck 2>&1 \
+  | tail -n 12 | tee "$OUT/sanitize.log" || status=1
 timeout ${BENCH_TIMEOUT:-250} python3 -m mamba3_mimo.bench --json "$OUT/bwd_fwd_h200.json" \
   --png "$OUT/bwd_fwd_h200.png" 2>&1 | tail -n 17 || status=1
 timeout ${NOZ_TIMEOUT:-130} python3 -m mamba3_mimo.bench --no-z --impl production --json "$OUT/bwd_fwd_h200_noz.json" \

@@ -41,6 +41,12 @@ SPLIT_SPANS = ScanConfig(block_p=64, n_segments=2, block_half=64, out_block_p=12
                          local_states=True, split_gate=True)
 SPLIT_CAPPED = ScanConfig(block_p=64, n_segments=3, block_half=64, out_block_p=64, out_num_warps=4, local_states=True,
                           split_gate=True, out_max_registers=168)
+# The dispatcher's state-scan tiles at P = 128 (sweep of a0ddfb0): [2 x 32, 64] at N = 64 with local states,
+# and at N = 128 with two passes (a 32-wide N/2 tile, two N/2 tiles and two P tiles), spans of 2 chunks of 8.
+SPLIT_SCAN_N64 = ScanConfig(block_p=64, n_segments=3, block_half=32, out_block_p=128, out_num_warps=4,
+                            local_states=True, split_gate=True, out_max_registers=168)
+SPLIT_SCAN_N128 = ScanConfig(block_p=64, n_segments=3, block_half=32, out_block_p=128, out_num_warps=4,
+                             out_span_chunks=2, end_span_chunks=2, split_gate=True, out_max_registers=168)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -72,6 +78,10 @@ CASES = [
      dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-split-capped", "production", SPLIT_CAPPED,
      dict(B=1, S=100, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=F32, z=False, d=True)),
+    ("production-split-scan-n64", "production", SPLIT_SCAN_N64,
+     dict(B=1, S=96, H=2, G=1, N=64, P=128, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-scan-n128", "production", SPLIT_SCAN_N128,
+     dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,

@@ -135,6 +135,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
     # again (N128_P64_R4_C16 640 vs 706 us, N128_P64_R8_C8 1576 vs 1700).
     block_p = min(p_pow, 64 if N >= 128 else 32)
     block_half = min(half_pow, 64 if N >= 128 else 32)
+    if p_pow >= 128 and N in (64, 128):
+        # Sweep of a0ddfb0 (graph us, split output stage): N64_P128_R4_C16 620 -> 563 with a 64-wide P tile
+        # (state scan 239 -> 177 us); N128_P128_R4_C8 922 -> 874 with a 32-wide N/2 tile (4 tiles of 168
+        # registers, 3 programs per SM, instead of 2 of 255).
+        block_p, block_half = 64, 32
     tiles = cdiv(half_pow, block_half) * cdiv(p_pow, block_p)
     per_sm = WIDE_TILE_PROGRAMS_PER_SM if block_half >= 64 else SCAN_PROGRAMS_PER_SM
     # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
