@@ -117,7 +117,7 @@ def report_case(case, impls, overrides, B, S, H, G, dtype, z):
     shape = parse_case(case)
     inputs = empty_inputs(B=B, S=S, H=H, G=G, dtype=dtype, z=z, **shape)
     # The dispatcher's choice for an H200 (not for the CPU this runs on), with the --config fields changed.
-    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, **shape), **(overrides or {}))
+    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, has_z=z, **shape), **(overrides or {}))
     rows = []
     for impl in impls:
         launches = capture_launches(lambda: api.bwd_fwd(**inputs, output_dtype=dtype, impl=impl, config=config))

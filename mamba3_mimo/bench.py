@@ -169,7 +169,7 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
     return first_ms, ms, graph_ms, resources
 
 
-def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
+def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=True):
     """Candidate production configs: the dispatcher's choice and one knob moved at a time.
 
     ``knob_names``: the ScanConfig fields to move (default: every knob below); a name of the form
@@ -182,7 +182,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
     from .ops.production import ScanConfig, choose_config
 
     nch = math.ceil(S / chunk_size)
-    chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
+    chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms, has_z=has_z)
     p_pow = max(16, 1 << (P - 1).bit_length())
     half_pow = max(16, 1 << (N // 2 - 1).bit_length())
     knobs = dict(
@@ -215,7 +215,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None):
             base = chosen
             if "split_gate" in overrides:
                 base = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
-                                     split_gate=overrides.pop("split_gate"))
+                                     split_gate=overrides.pop("split_gate"), has_z=has_z)
             try:
                 candidate = dataclasses.replace(base, **overrides)
             except ValueError:
@@ -284,7 +284,7 @@ def run(args):
         if args.sweep:
             _, configs = sweep_configs(args.B, args.S, args.H, shape["N"], shape["P"], shape["R"],
                                        shape["chunk_size"], props.multi_processor_count,
-                                       knob_names=args.knobs.split(",") if args.knobs else None)
+                                       knob_names=args.knobs.split(",") if args.knobs else None, has_z=has_z)
             runs = [("production", config) for config in configs] + [(i, None) for i in impls if i != "production"]
         case_records = []
         for impl, config in runs:
@@ -298,7 +298,8 @@ def run(args):
                 print(f"[{index + 1}/{len(args.cases)}] {name} {impl} {config}: FAILED {exc!r:.300}", file=sys.stderr)
                 continue
             if impl == "production" and config is None:
-                config = choose_config(B=args.B, H=args.H, S=args.S, num_sms=props.multi_processor_count, **shape)
+                config = choose_config(B=args.B, H=args.H, S=args.S, num_sms=props.multi_processor_count,
+                                       has_z=has_z, **shape)
             record = dict(case=name, impl=impl, z=has_z, output_dtype=args.output_dtype, dtype=args.dtype,
                           B=args.B, S=args.S, H=args.H, G=args.G, ms=ms, graph_ms=graph_ms, floor_ms=floor_ms,
                           floor_ratio=ms / floor_ms, tflops=flops / (ms * 1e-3) / 1e12, first_call_ms=first_ms,

@@ -58,3 +58,25 @@ def test_sweep_drops_end_spans_of_the_one_pass_schedule():
     local = [c for c in configs if c.local_states]
     assert [c.end_span_chunks for c in local] == [1]
     assert {c.end_span_chunks for c in configs if not c.local_states} == {1, 2}  # spans of <= 128 rows
+
+
+def test_sweep_of_the_output_stage_starts_from_the_dispatchers_config_for_it():
+    """Moving split_gate gives the config choose_config picks for that stage (warps, cap, schedule), and the
+    fused candidates carry no gate_grads setting, so no two candidates time the same launches."""
+    chosen, configs = sweep_configs(**SHAPE, knob_names=["split_gate+gate_tokens"])
+    fused = [c for c in configs if not c.split_gate]
+    split = [c for c in configs if c.split_gate]
+    assert fused == [choose_config(**SHAPE, split_gate=False)]
+    assert {dataclasses.replace(c, gate_tokens=1) for c in split} == {
+        dataclasses.replace(choose_config(**SHAPE, split_gate=True), gate_tokens=1)}
+    assert sorted(c.gate_tokens for c in split) == [32, 64, 128, 256]
+
+
+@pytest.mark.parametrize("N,P,has_z,split", [(16, 64, True, True), (16, 64, False, False), (64, 64, False, False),
+                                             (64, 128, False, True), (128, 32, False, True)])
+def test_dispatcher_output_stage(N, P, has_z, split):
+    """The split stage everywhere with Z; without Z the fused stage on N <= 64, P <= 64 (optimization.md 16)."""
+    shape = dict(SHAPE, N=N, P=P)
+    config = choose_config(**shape, has_z=has_z)
+    assert config.split_gate is split
+    assert config == choose_config(**shape, has_z=has_z, split_gate=split)

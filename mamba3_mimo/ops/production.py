@@ -119,11 +119,11 @@ class ScanConfig:
 
 # Cached: a call's host work is several times the device time on small problems (benchmarks/host_profile.py).
 @functools.lru_cache(maxsize=256)
-def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
+def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has_z=True):
     """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md).
 
     ``split_gate``: force the split (True) or the fused (False) output stage, with the settings that go
-    with it; None: the dispatcher's rule.
+    with it; None: the dispatcher's rule.  ``has_z``: whether the call has the SiLU gate (z).
     """
     nch = cdiv(S, chunk_size)
     p_pow = max(16, next_power_of_2(P))
@@ -171,9 +171,12 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None):
     # gate_grads over token ranges it won on all 11 official shapes (sweep of 1de1006, graph us, fused ->
     # split): N16_P64_R4_C8 331 -> 317, N32 316 -> 288, N64_P64 435 -> 400, N128_P64_R4_C16 546 -> 407,
     # N256 1077 -> 901, N64_P128 727 -> 620, N128_P32 482 -> 343, N128_P128 1056 -> 918, R8_C8 1279 -> 837,
-    # R2_C32 365 -> 238, R1_C64 238 -> 172.
+    # R2_C32 365 -> 238, R1_C64 238 -> 172.  Without Z there is no sigmoid for gate_grads to save, and the
+    # fused stage stays faster on the small shapes (graph us, fused at 932c232 -> split at ba767ee, same fused
+    # kernel and config without Z): N16 255 -> 297, N32 239 -> 265, N64_P64 365 -> 380; P = 128 and N = 128
+    # keep the split stage (N64_P128 610 -> 506, N128_P32 421 -> 318, N128_P64_R4_C16 407 -> 385).
     if split_gate is None:
-        split_gate = True
+        split_gate = has_z or N > 64 or p_pow > 64
     out_block_p = min(p_pow, 64)
     # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4:
     # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us, a since-reverted kernel variant):
@@ -245,7 +248,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     H, P = v.shape[2], v.shape[3]
     if config is None:
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
-        config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms)
+        config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
+                               has_z=z is not None)
     nch = cdiv(S, chunk_size)
     span = 1 if config.local_states else config.end_span_chunks
     chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
