@@ -8,9 +8,10 @@ given z, so once ``chunk_scan`` has stored raw_y the gradients are a streaming p
     dz[t, p]    = sum_r dL/du Zeta[r, p],   dZeta[r, p] = sum_t dL/du z[t, p]
 
 One program owns one (b, h), a range of tokens and a block of P columns.  It walks the range in
-[tokens, ranks, cols] tiles (raw_y is contiguous in that order), so dz's rank sum stays inside a
-warp and the token sums of dPhi / dZeta are per-thread running sums, reduced across threads once per
-program instead of once per rank and token block.
+[ranks, tokens, cols] tiles of raw_y (stored [tokens, ranks, cols]; cols stay contiguous); with ranks
+outermost the compiler lays them across the lanes of a warp, so dz's rank sum stays inside a warp.
+The token sums of dPhi / dZeta are per-thread running sums, reduced across threads once per program
+instead of once per rank and token block.
 """
 
 import torch
@@ -21,8 +22,8 @@ from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import silu_and_grad
 
-# Elements of one [tokens, ranks, cols] tile: 16 per thread at 4 warps, so each thread's raw_y slice
-# is one 32-byte bf16 load and the two fp32 running sums take 32 registers.
+# Elements of one [ranks, tokens, cols] tile: 16 per thread at 4 warps, so each thread's raw_y slice
+# is two 16-byte bf16 loads and the two fp32 running sums take 32 registers (128 in all, 4 CTAs per SM).
 TILE_ELEMENTS = 2048
 MAX_BLOCK_P = 64
 
