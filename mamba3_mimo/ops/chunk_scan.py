@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import (
     intra_chunk_weights,
@@ -170,7 +171,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
-    if q.is_cuda and meta["BLOCK_HALF"] >= 64 and block_p < 64:
+    if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
         # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
         # small sizes, an illegal address at full size; the interpreter computes the same launch right.
         raise ValueError(f"chunk_scan: a P tile of {block_p} with N/2 = {N // 2} miscompiles on this Triton; "
