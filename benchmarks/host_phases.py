@@ -67,7 +67,7 @@ def main():
 
     restore = []
     for module, names in ((api, ("validate", "production_bwd_fwd", "dot_operands", "_contiguous")),
-                          (production, ("choose_config", "token_weights", "chunk_local_states", "segment_entry_states",
+                          (production, ("choose_config", "token_tables", "chunk_local_states", "segment_entry_states",
                                         "chunk_states", "segment_end_states", "chunk_scan", "gate_grads",
                                         "chunk_output", "sum_group_partials"))):
         for name in names:

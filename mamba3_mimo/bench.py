@@ -79,11 +79,11 @@ def copy_bandwidth(device, nbytes=2 << 30):
 
 def jit_kernels():
     """Every Triton kernel of both implementations by short name (the bench and benchmarks/aot_report.py)."""
-    from .ops import chunk_output, chunk_scan, chunk_state, gate_grads, group_sum, stage0, state_passing, token_weights
+    from .ops import chunk_output, chunk_scan, chunk_state, gate_grads, group_sum, stage0, state_passing, token_tables
 
     return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
             "chunk_scan": chunk_scan._chunk_scan_kernel, "gate_grads": gate_grads._gate_grads_kernel,
-            "token_weights": token_weights._token_weights_kernel,
+            "token_tables": token_tables._token_tables_kernel,
             "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}

@@ -1,4 +1,4 @@
-"""The small production stages on their own, against torch: the token weights, the segment fold, the
+"""The small production stages on their own, against torch: the token tables, the segment fold, the
 gate gradients and the group sum.
 
 The composed path is checked against the float64 reference in test_kernels.py; here each of the
@@ -16,7 +16,7 @@ from conftest import seed_for
 from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
 from mamba3_mimo.ops.group_sum import sum_group_partials
 from mamba3_mimo.ops.state_passing import segment_entry_states
-from mamba3_mimo.ops.token_weights import token_weights
+from mamba3_mimo.ops.token_tables import token_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -64,22 +64,28 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
         entry = entry * decay[..., None, None] + ends[:, :, s].double()
 
 
-@pytest.mark.parametrize("S", [1, 37, 1500])
+@pytest.mark.parametrize("S,RD", [(1, 4), (37, 3), (1500, 32), (300, 64)])
 @pytest.mark.parametrize("trap_dtype", [torch.float32, torch.bfloat16])
-def test_token_weights(request, S, trap_dtype):
-    """gamma = dt sigmoid(trap), trap_scale = gamma + next dt sigmoid(-next trap); none after S - 1."""
+def test_token_tables(request, S, RD, trap_dtype):
+    """gamma = dt sigmoid(trap), trap_scale = gamma + next dt sigmoid(-next trap) (none after S - 1), and
+    cos / sin of the angles, over partial token blocks, RD not a power of two and angles far from 0."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 3
     dt = torch.rand((B, H, S), generator=gen, dtype=torch.float32) * 0.5
     trap = torch.randn((B, H, S), generator=gen, dtype=torch.float32).to(trap_dtype)
-    dt_dev, trap_dev = dt.to(DEVICE), trap.to(DEVICE)
-    gamma, trap_scale = token_weights(dt=dt_dev, trap=trap_dev)
+    angles = torch.randn((B, S, H, RD), generator=gen, dtype=torch.float32) * 200.0
+    dt_dev, trap_dev, angles_dev = dt.to(DEVICE), trap.to(DEVICE), angles.to(DEVICE)
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt_dev, trap=trap_dev, angles=angles_dev)
     t = trap.double()
     want_gamma = dt.double() * torch.sigmoid(t)
     nxt = F.pad(dt.double()[..., 1:] * torch.sigmoid(-t[..., 1:]), (0, 1))
     torch.testing.assert_close(gamma.cpu().double(), want_gamma, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(trap_scale.cpu().double(), want_gamma + nxt, atol=1e-6, rtol=1e-5)
-    assert torch.equal(dt_dev.cpu(), dt) and torch.equal(trap_dev.cpu(), trap)
+    # fp32 angles of a few hundred radians: a correctly reduced fp32 cos / sin is within ~1e-6.
+    torch.testing.assert_close(cos_angles.cpu().double(), angles.double().cos(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(sin_angles.cpu().double(), angles.double().sin(), atol=2e-6, rtol=0)
+    assert cos_angles.shape == sin_angles.shape == angles.shape and cos_angles.is_contiguous()
+    assert torch.equal(dt_dev.cpu(), dt) and torch.equal(trap_dev.cpu(), trap) and torch.equal(angles_dev.cpu(), angles)
 
 
 @pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128)])

@@ -164,7 +164,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
-        da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_weights``); states: [B, H, nch, N, P];
+        da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``); states: [B, H, nch, N, P];
         seg_entry: [B, H, n_segments, N, P] fp32 or None; qk_dot: [B, H, S, R, R];
         raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip).
     """

@@ -164,7 +164,7 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
     Args (contiguous; see ``mamba3_mimo.api`` for validation), passed on to the kernel launch:
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
-        fp32 (``token_weights``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
+        fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps; chunks_per_segment must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or

@@ -1,6 +1,6 @@
 """The production bwd_fwd: state scans over sequence segments, then the chunk-parallel outputs.
 
-Launches (docs/design.md): ``token_weights`` (gamma and trap_scale per token), then one of two
+Launches (docs/design.md): ``token_tables`` (gamma, trap_scale and cos / sin per token), then one of two
 scan schedules that ``ScanConfig.local_states`` picks:
 
 two passes:
@@ -39,7 +39,7 @@ from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
 from .host_utils import cdiv, next_power_of_2
 from .state_passing import segment_entry_states
-from .token_weights import token_weights
+from .token_tables import token_tables
 
 # Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
 # [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two with [2 x 64, 64] tiles (254
@@ -255,9 +255,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
     n_segments = cdiv(nch, chunks_per_segment)
     local = config.local_states and n_segments > 1
-    # cos/sin once per (token, head), not once per (row, program) inside the kernels.
-    cos_angles, sin_angles = torch.cos(angles), torch.sin(angles)
-    gamma, trap_scale = token_weights(dt=dt, trap=trap)
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,

@@ -65,7 +65,7 @@ def load_token_weights(da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, t_abs, 
     """(da_cs, da_cs_rev, gamma, trap_scale) at absolute positions ``t_abs`` of one (b, h), fp32.
 
     As ``load_token_discretization``, with gamma and trap_scale read from the tables of
-    ``token_weights``; positions past S behave as padding (da_cs = da_cs[S-1], the rest 0).
+    ``token_tables``; positions past S behave as padding (da_cs = da_cs[S-1], the rest 0).
     """
     valid = t_abs < S
     da_cs = tl.load(da_cs_ptr + tl.minimum(t_abs, S - 1))

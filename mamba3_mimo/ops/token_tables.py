@@ -1,0 +1,66 @@
+"""Stage 0 of the production path: the per-token tables every later kernel reads, in one launch.
+
+    gamma[t]      = dt[t] * sigmoid(trap[t])                          (weight of token t on itself)
+    trap_scale[t] = gamma[t] + dt[t+1] * sigmoid(-trap[t+1])          (weight of token t on later tokens;
+                                                                       no next token after S - 1)
+    cos_angles, sin_angles = cos(angles), sin(angles)                 (the rotation of q and k)
+
+Every later stage reads these tables instead of loading dt and trap at t and t + 1 with two sigmoids
+for each (token, rank) row of every tile, or taking cos / sin per row (which doubled the scan's
+registers).  One kernel writes all four: two torch calls for cos / sin cost a launch each.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .host_utils import cdiv, next_power_of_2
+from .triton_utils import trapezoid_weights
+
+# Elements of angles per program (tokens x RD): the tile stays ~32 fp32 a thread at 4 warps.
+ANGLES_PER_PROGRAM = 4096
+
+
+@triton.jit
+def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S, H, RD,
+                         BLOCK_T: tl.constexpr, BLOCK_RD: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = t < S
+    next_valid = (t + 1) < S
+    seq = bh * S
+    dt = tl.load(dt_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
+    trap = tl.load(trap_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
+    dt_next = tl.load(dt_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
+    trap_next = tl.load(trap_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
+    gamma, trap_scale = trapezoid_weights(dt, trap, dt_next, trap_next)
+    tl.store(gamma_ptr + seq + t, gamma, mask=valid)
+    tl.store(trap_scale_ptr + seq + t, trap_scale, mask=valid)
+
+    # angles [B, S, H, RD]: this program's tokens of head h.
+    b, h = bh // H, bh % H
+    cols = tl.arange(0, BLOCK_RD)
+    angle_offs = ((b * S + t[:, None]) * H + h) * RD + cols[None, :]
+    angle_mask = valid[:, None] & (cols[None, :] < RD)
+    theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
+    tl.store(cos_ptr + angle_offs, tl.cos(theta), mask=angle_mask)
+    tl.store(sin_ptr + angle_offs, tl.sin(theta), mask=angle_mask)
+
+
+def token_tables(*, dt, trap, angles):
+    """(gamma, trap_scale, cos_angles, sin_angles) for the production kernels.
+
+    Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32.
+    Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] fp32 (views of one
+    allocation each pair, so a call allocates twice).
+    """
+    B, H, S = dt.shape
+    RD = angles.shape[3]
+    weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
+    rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=torch.float32)
+    block_rd = next_power_of_2(max(RD, 1))
+    block_t = min(256, max(16, ANGLES_PER_PROGRAM // block_rd))
+    _token_tables_kernel[(cdiv(S, block_t), B * H)](
+        dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1], S, H, RD,
+        BLOCK_T=block_t, BLOCK_RD=block_rd, num_warps=4)
+    return weights[0], weights[1], rotation[0], rotation[1]
