@@ -17,13 +17,14 @@ import triton.language as tl
 from .host_utils import cdiv, next_power_of_2
 from .triton_utils import trapezoid_weights
 
-# Elements of angles per program (tokens x RD): the tile stays ~32 fp32 a thread at 4 warps.
-ANGLES_PER_PROGRAM = 4096
+BLOCK_TOKENS = 256
+# Elements of angles per step (tokens x RD): 4 a thread at 4 warps.
+ANGLES_PER_STEP = 512
 
 
 @triton.jit
 def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S, H, RD,
-                         BLOCK_T: tl.constexpr, BLOCK_RD: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_RD: tl.constexpr, ANGLE_ROWS: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = t < S
@@ -37,14 +38,19 @@ def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr
     tl.store(gamma_ptr + seq + t, gamma, mask=valid)
     tl.store(trap_scale_ptr + seq + t, trap_scale, mask=valid)
 
-    # angles [B, S, H, RD]: this program's tokens of head h.
+    # angles [B, S, H, RD]: this program's tokens of head h, ANGLE_ROWS tokens a step.  libdevice's cos and
+    # sin are inlined once per element a thread holds (with their slow-path range reduction), so a small
+    # step keeps the code small: a whole [BLOCK_T, BLOCK_RD] tile compiled to 8.5K PTX lines and ran at a
+    # quarter of the copy bandwidth.
     b, h = bh // H, bh % H
     cols = tl.arange(0, BLOCK_RD)
-    angle_offs = ((b * S + t[:, None]) * H + h) * RD + cols[None, :]
-    angle_mask = valid[:, None] & (cols[None, :] < RD)
-    theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
-    tl.store(cos_ptr + angle_offs, tl.cos(theta), mask=angle_mask)
-    tl.store(sin_ptr + angle_offs, tl.sin(theta), mask=angle_mask)
+    for step in range(BLOCK_T // ANGLE_ROWS):
+        t_step = tl.program_id(0) * BLOCK_T + step * ANGLE_ROWS + tl.arange(0, ANGLE_ROWS)
+        angle_offs = ((b * S + t_step[:, None]) * H + h) * RD + cols[None, :]
+        angle_mask = (t_step[:, None] < S) & (cols[None, :] < RD)
+        theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
+        tl.store(cos_ptr + angle_offs, tl.cos(theta), mask=angle_mask)
+        tl.store(sin_ptr + angle_offs, tl.sin(theta), mask=angle_mask)
 
 
 def token_tables(*, dt, trap, angles):
@@ -59,8 +65,8 @@ def token_tables(*, dt, trap, angles):
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
     rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=torch.float32)
     block_rd = next_power_of_2(max(RD, 1))
-    block_t = min(256, max(16, ANGLES_PER_PROGRAM // block_rd))
-    _token_tables_kernel[(cdiv(S, block_t), B * H)](
+    _token_tables_kernel[(cdiv(S, BLOCK_TOKENS), B * H)](
         dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1], S, H, RD,
-        BLOCK_T=block_t, BLOCK_RD=block_rd, num_warps=4)
+        BLOCK_T=BLOCK_TOKENS, BLOCK_RD=block_rd, ANGLE_ROWS=min(BLOCK_TOKENS, max(1, ANGLES_PER_STEP // block_rd)),
+        num_warps=4)
     return weights[0], weights[1], rotation[0], rotation[1]
