@@ -4,12 +4,14 @@
 
 Times (host us, median of --calls) the phases of one call by wrapping the functions that api.bwd_fwd and
 production_bwd_fwd call, then replays every Triton launch of one call three ways: through the JIT
-(`kernel[grid](...)`, what the package does), the JIT's argument binder alone, and the compiled kernel's
-launcher called directly (the floor of a Triton launch).
+(`kernel[grid](...)`), the JIT's argument binder alone, and the compiled kernel's launcher called directly
+(what ops/launch.py does once a specialization is known).  Also times whole calls through the JIT
+(MAMBA3_MIMO_JIT_LAUNCH=1) and without the validation cache, for comparison in one process.
 """
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -49,6 +51,15 @@ def main():
     torch.cuda.synchronize()
     total = median_us(call, args.calls)
 
+    # The same calls with the JIT's launch path and without the validation cache, in this process.
+    def call_uncached():
+        api._VALIDATED.clear()
+        return call()
+    os.environ["MAMBA3_MIMO_JIT_LAUNCH"] = "1"
+    jit_total = median_us(call, args.calls)
+    uncached_total = median_us(call_uncached, args.calls)
+    del os.environ["MAMBA3_MIMO_JIT_LAUNCH"]
+
     # Phases: wrap the module-level names the two entry functions call.
     spent = {}
 
@@ -78,7 +89,8 @@ def main():
     torch.cuda.synchronize()
     for module, name, original in restore:
         setattr(module, name, original)
-    print(f"{args.case} Z {'off' if args.no_z else 'on'}: host per call median {total:.0f} us")
+    print(f"{args.case} Z {'off' if args.no_z else 'on'}: host per call median {total:.0f} us; through the JIT "
+          f"{jit_total:.0f} us, and without the validation cache {uncached_total:.0f} us")
     calls = args.calls
     for name, samples in spent.items():
         per_call = sum(samples) / calls * 1e6
@@ -93,7 +105,9 @@ def main():
         launches.append((self, a, kw, grid, kernel))
         return kernel
     jit.JITFunction.run = recording_run
+    os.environ["MAMBA3_MIMO_JIT_LAUNCH"] = "1"  # cached launches skip JITFunction.run
     call()
+    del os.environ["MAMBA3_MIMO_JIT_LAUNCH"]
     jit.JITFunction.run = original_run
     torch.cuda.synchronize()
     device = torch.cuda.current_device()

@@ -203,6 +203,25 @@ def test_unsupported_device(base, no_launch, entry):
         entry(**meta)
 
 
+def test_validation_cache_does_not_hide_errors(base, no_launch, entry):
+    """Validated problems are cached by each tensor's shape, dtype and device (and the other arguments);
+    once the good problem is cached, variants differing in any of those are checked again."""
+    with pytest.raises(AssertionError, match="launched"):
+        call(entry, base)  # validated (and cached); the no-launch stub fires after
+    args = dict(base, output_dtype=torch.float32, chunk_size=base.get("chunk_size", SIZES["chunk_size"]),
+                rotary_dim_divisor=4, mimo_z=base["mimo_z"], d=base["d"], z=base["z"])
+    first = api.validate(**args)
+    assert api.validate(**args) is first and first == api._check_problem(**args)
+    with pytest.raises(TypeError, match="^q: expected dtype"):
+        call(entry, base, q=base["q"].to(torch.float64))
+    with pytest.raises(ValueError, match="^segsum"):
+        call(entry, base, segsum=grown(base["segsum"], 3))
+    with pytest.raises(ValueError, match="^chunk_size"):
+        call(entry, base, chunk_size=0)
+    with pytest.raises(TypeError, match="^d: expected a torch.Tensor"):
+        call(entry, base, d=[1.0] * SIZES["H"])
+
+
 # --- real calls: inputs untouched, any strides ----------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from . import host_utils
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 from .triton_utils import (
     accumulate_rank_grads,
     accumulate_rank_group_grads,
@@ -234,7 +235,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     has_z = z is not None
     dphi = torch.empty((B, H, n_groups, R, P), device=q.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
-    _chunk_output_kernel[(cdiv(P, block_p), n_groups, B * H)](
+    launch(_chunk_output_kernel, (cdiv(P, block_p), n_groups, B * H),
         q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
         q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
         da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry,

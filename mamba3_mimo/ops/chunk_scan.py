@@ -20,6 +20,7 @@ import triton.language as tl
 
 from . import host_utils
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 from .triton_utils import (
     intra_chunk_weights,
     load_entering_state,
@@ -178,7 +179,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                          "use block_p >= 64")
     nch = cdiv(S, chunk_size)
     n_spans = cdiv(nch, span_chunks)
-    _chunk_scan_kernel[(cdiv(P, block_p), n_spans, B * H)](
+    launch(_chunk_scan_kernel, (cdiv(P, block_p), n_spans, B * H),
         q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
         da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
         S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2],

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 from .triton_utils import (
     chunk_rows,
     chunk_run_log_decay,
@@ -142,7 +143,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
     meta = scan_meta(chunk_size=chunk_size, R=R, N=N, block_half=block_half, block_p=block_p,
                      span_chunks=span_chunks)
     tiles = cdiv(N // 2, meta["BLOCK_HALF"]) * cdiv(P, block_p)
-    _state_scan_kernel[(tiles, segments_launched, B * H)](
+    launch(_state_scan_kernel, (tiles, segments_launched, B * H),
         k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
         S, H, G, H // G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from . import host_utils
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 from .triton_utils import silu_and_grad
 
 # Elements of one [ranks, tokens, cols] tile: 16 per thread at 4 warps, so each thread's raw_y slice
@@ -125,7 +126,7 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, tokens_per_program=64, num
     has_z = z is not None
     dphi = torch.empty((B, H, n_ranges, R, P), device=raw_y.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
-    _gate_grads_kernel[(n_ranges * n_pblocks, B * H)](
+    launch(_gate_grads_kernel, (n_ranges * n_pblocks, B * H),
         raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o, dz if has_z else dout,
         dphi, dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program,
         R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y),

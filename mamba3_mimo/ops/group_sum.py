@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 
 # Partials summed per step (rows of the [groups, R*P] tile) and R*P columns per program.
 BLOCK_GROUPS = 32
@@ -50,7 +51,7 @@ def sum_group_partials(*, dphi_partial, dzeta_partial, dmimo_o, dmimo_z):
     B, H, n_groups, R, P = dphi_partial.shape
     has_z = dzeta_partial is not None
     block_rp = min(BLOCK_COLS, next_power_of_2(R * P))
-    _group_sum_kernel[(cdiv(R * P, block_rp), B * H)](
+    launch(_group_sum_kernel, (cdiv(R * P, block_rp), B * H),
         dphi_partial, dzeta_partial if has_z else dphi_partial, dmimo_o, dmimo_z if has_z else dmimo_o, n_groups,
         RP=R * P, BLOCK_G=min(BLOCK_GROUPS, next_power_of_2(n_groups)), BLOCK_RP=block_rp, HAS_Z=has_z,
         num_warps=4,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 from .triton_utils import chunk_run_log_decay
 
 # Elements of the flattened [N, P] state per program: a (b, h) takes N * P / 1024 programs.
@@ -51,7 +52,7 @@ def segment_entry_states(*, seg_state, da_cs, chunk_size, chunks_per_segment):
     """
     B, H, n_segments, N, P = seg_state.shape
     S = da_cs.shape[2]
-    _segment_entry_kernel[(cdiv(N * P, BLOCK_STATE), B * H)](
+    launch(_segment_entry_kernel, (cdiv(N * P, BLOCK_STATE), B * H),
         seg_state, da_cs, S, chunks_per_segment, n_segments,
         C=chunk_size, STATE_SIZE=N * P, BLOCK=BLOCK_STATE, BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         num_warps=4,

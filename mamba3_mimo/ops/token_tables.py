@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
+from .launch import launch
 from .triton_utils import trapezoid_weights
 
 BLOCK_TOKENS = 256
@@ -65,7 +66,7 @@ def token_tables(*, dt, trap, angles):
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
     rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=torch.float32)
     block_rd = next_power_of_2(max(RD, 1))
-    _token_tables_kernel[(cdiv(S, BLOCK_TOKENS), B * H)](
+    launch(_token_tables_kernel, (cdiv(S, BLOCK_TOKENS), B * H),
         dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1], S, H, RD,
         BLOCK_T=BLOCK_TOKENS, BLOCK_RD=block_rd, ANGLE_ROWS=min(BLOCK_TOKENS, max(1, ANGLES_PER_STEP // block_rd)),
         num_warps=4)
