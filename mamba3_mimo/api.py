@@ -91,7 +91,10 @@ def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs
         # CPU tensors are accepted only under the interpreter, so that answer is part of the key.
         key = (tuple(None if x is None else (x.shape, x.dtype, x.device) for x in required + optional), chunk_size,
                rotary_dim_divisor, output_dtype, q.is_cuda or interpreter_enabled())
-        problem = _VALIDATED.get(key)
+        try:
+            problem = _VALIDATED.get(key)
+        except TypeError:  # symbolic sizes (torch.compile's fake tensors) do not hash: check every time
+            key, problem = None, None
         if problem is not None:
             return problem
     problem = _check_problem(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mamba3_mimo.api as api
-from conftest import seed_for
+from conftest import seed_for, to_device
 from mamba3_mimo import bwd_fwd, mamba3_mimo_bwd_fwd_kernel
 from mamba3_mimo.inputs import make_inputs
 
@@ -206,20 +206,22 @@ def test_unsupported_device(base, no_launch, entry):
 def test_validation_cache_does_not_hide_errors(base, no_launch, entry):
     """Validated problems are cached by each tensor's shape, dtype and device (and the other arguments);
     once the good problem is cached, variants differing in any of those are checked again."""
+    good = to_device(base, "cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(AssertionError, match="launched"):
-        call(entry, base)  # validated (and cached); the no-launch stub fires after
-    args = dict(base, output_dtype=torch.float32, chunk_size=base.get("chunk_size", SIZES["chunk_size"]),
-                rotary_dim_divisor=4, mimo_z=base["mimo_z"], d=base["d"], z=base["z"])
+        call(entry, good)  # validated (and cached); the no-launch stub fires after
+    args = dict(good, output_dtype=torch.float32, rotary_dim_divisor=4)
     first = api.validate(**args)
     assert api.validate(**args) is first and first == api._check_problem(**args)
     with pytest.raises(TypeError, match="^q: expected dtype"):
-        call(entry, base, q=base["q"].to(torch.float64))
+        call(entry, good, q=good["q"].to(torch.float64))
     with pytest.raises(ValueError, match="^segsum"):
-        call(entry, base, segsum=grown(base["segsum"], 3))
+        call(entry, good, segsum=grown(good["segsum"], 3))
     with pytest.raises(ValueError, match="^chunk_size"):
-        call(entry, base, chunk_size=0)
+        call(entry, good, chunk_size=0)
     with pytest.raises(TypeError, match="^d: expected a torch.Tensor"):
-        call(entry, base, d=[1.0] * SIZES["H"])
+        call(entry, good, d=[1.0] * SIZES["H"])
+    with pytest.raises(ValueError, match="^v is on meta"):
+        call(entry, good, v=good["v"].to("meta"))
 
 
 # --- real calls: inputs untouched, any strides ----------------------------------------------------

@@ -28,13 +28,14 @@ def test_key_separates_dtype_and_alignment():
 def test_trailing_args_take_kwargs_then_defaults():
     n_positional = 10  # the pointers and S, H, RD of _token_tables_kernel
     trailing = launch_module._trailing_args(_token_tables_kernel, n_positional,
-                                            dict(BLOCK_T=256, BLOCK_RD=16, ANGLE_ROWS=32, num_warps=4))
-    assert trailing == (256, 16, 32)
+                                            dict(BLOCK_T=256, BLOCK_RD=16, ANGLE_ROWS=32, FAST_TRIG=False,
+                                                 num_warps=4))
+    assert trailing == (256, 16, 32, False)
     with pytest.raises(TypeError, match="ANGLE_ROWS was not given"):
         launch_module._trailing_args(_token_tables_kernel, n_positional, dict(BLOCK_T=256, BLOCK_RD=16))
     with pytest.raises(TypeError, match="pass tensor BLOCK_T positionally"):
         launch_module._trailing_args(_token_tables_kernel, n_positional,
-                                     dict(BLOCK_T=torch.zeros(1), BLOCK_RD=16, ANGLE_ROWS=32))
+                                     dict(BLOCK_T=torch.zeros(1), BLOCK_RD=16, ANGLE_ROWS=32, FAST_TRIG=False))
 
 
 def _tables_inputs(gen, B, H, S, RD, device, offset=0):
