@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call at the end of a session: the GPU tests of the production path on the official grid, the
-# split output stage and small configs of the fused one, the stage / launch / API / robustness tests, the sanitizer's split cases (memcheck), then the
-# official benchmark with Z on (production and stage0) and Z off.
+# split output stage and small configs of the fused one, the stage / launch / API / robustness tests, the
+# sanitizer's split cases (memcheck), then the official benchmark with Z on (production and stage0) and Z off.
 # usage: MAMBA3_COMMIT=<sha> bash benchmarks/final_gpu.sh     (results under $OUT, or ./gpu_out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
