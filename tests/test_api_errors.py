@@ -52,8 +52,9 @@ def grown(x, dim):
 
 
 def test_no_launch_fixture_catches_launches(base, no_launch, entry):
+    # On the device where the kernels run (CPU tensors are refused on a CUDA machine, before any launch).
     with pytest.raises(AssertionError, match="launched"):
-        call(entry, base)
+        call(entry, to_device(base, "cuda" if torch.cuda.is_available() else "cpu"))
 
 
 # --- shapes ---------------------------------------------------------------------------------------
