@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args, **constexprs)`` binds and specializes every argument, builds and hashes a cache
 key and fills launch metadata on each call: 13-28 us of host time a launch on the H200 machine, where
-the compiled kernel's own launcher takes 5-9 us (benchmarks/host_phases.py).  A bwd_fwd call launches
+the compiled kernel's own launcher takes 5-9 us (benchmarks/host_profile.py).  A bwd_fwd call launches
 six kernels; on the smaller shapes its host time exceeded its device time, so eager calls waited on
 the host.
 
