@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call at the end of a session: the GPU tests of the production path on the official grid, the
-# split output stage and small configs of the fused one, the stage / launch / API / robustness tests, the
+# split output stage and small configs of the fused one, the GPU pairwise / tail / rank grids (dtypes, Z, D,
+# groups: every launch specialization the cached launcher keys on), the stage / launch / API / robustness tests, the
 # sanitizer's split cases (memcheck), then the official benchmark with Z on (production and stage0) and Z off.
 # usage: MAMBA3_COMMIT=<sha> bash benchmarks/final_gpu.sh     (results under $OUT, or ./gpu_out)
 set -uo pipefail
@@ -15,6 +16,8 @@ MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-230} python3 -m pytest -q -p no
   -k "(test_official_grid and not fused) or test_production_split_gate or test_production_configs or \
   test_production_local_states or miscompiled" 2>&1 | tail -n 6 \
   | tee "$OUT/tests.log" || status=1
+timeout ${GRIDS_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py -k "gpu_pairwise or gpu_tail or \
+  gpu_rank" 2>&1 | tail -n 6 | tee -a "$OUT/tests.log" || status=1
 timeout ${UNIT_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_launch.py tests/test_stage_kernels.py \
   tests/test_api_errors.py tests/test_robustness.py tests/test_triton_utils.py 2>&1 | tail -n 8 \
   | tee -a "$OUT/tests.log" || status=1
