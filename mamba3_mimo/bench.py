@@ -4,7 +4,8 @@
     python -m mamba3_mimo.bench --no-z --output-dtype fp32 --impl production
     python -m mamba3_mimo.bench --cases N128_P64_R4_C16 --sweep   # time candidate production configs
 
-Protocol (SPEC section 9): ``triton.testing.do_bench`` medians of warm calls,
+Protocol (SPEC section 9): ``triton.testing.do_bench`` medians of warm calls (eager: the best of two
+medians, as the TileLang anchor was measured; also the median of CUDA-graph replays),
 cycling over several input sets so that the inputs come from HBM, not L2; the
 floor is each required input read once and each output written once (segsum
 excluded, it is derivable from da_cs) at the copy bandwidth measured in the
@@ -148,8 +149,9 @@ def graph_time(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
     return ms
 
 
-# Seconds of back-to-back calls before the eager timing.
+# Seconds of back-to-back calls before the eager timing, and the eager medians taken (the best is kept).
 SETTLE_S = 0.3
+EAGER_RUNS = 2
 
 
 def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
@@ -176,7 +178,9 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
     while time.perf_counter() < settle_until:
         call()
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median")
+    # Best of two medians, as the TileLang anchor was taken: single eager medians of a small shape came out
+    # 1.5-1.8x its graph time at random, once a run (docs/optimization.md section 17).
+    ms = min(triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median") for _ in range(EAGER_RUNS))
     graph_ms = graph_time(input_sets, impl, output_dtype, config=config, warmup=warmup, rep=rep)
     return first_ms, ms, graph_ms, resources
 
