@@ -217,6 +217,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         split_gate=[False, True],
         out_max_registers=[0, 168],
         gate_tokens=[32, 64, 128, 256],
+        state_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:

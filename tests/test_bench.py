@@ -45,9 +45,10 @@ def test_sweep_rejects_unknown_knobs():
 
 def test_sweep_spans_stay_within_128_rows():
     shape = dict(SHAPE, N=128, P=64, R=4, chunk_size=8)
-    _, configs = sweep_configs(**shape, knob_names=["out_span_chunks", "end_span_chunks"])
+    _, configs = sweep_configs(**shape, knob_names=["out_span_chunks", "end_span_chunks", "state_span_chunks"])
     spans = {c.out_span_chunks for c in configs} | {c.end_span_chunks for c in configs}
     assert spans == {1, 2, 4} and all(s * 8 * 4 <= 128 for s in spans)
+    assert {c.state_span_chunks for c in configs} == {1, 2, 4}
 
 
 def test_sweep_drops_end_spans_of_the_one_pass_schedule():

@@ -193,6 +193,31 @@ def test_production_spans(check_kernel, case, dtype):
                  dtype=dtype, z=case["z"], config=config)
 
 
+# The storing scan taking several chunks a step (state_span_chunks): two passes and local states, segments
+# that do not divide the chunks, a span longer than the sequence (chunks past nch masked), tails, a span
+# of the end-state scan that differs from it (segments hold whole steps of both), the split output stage.
+STATE_SPAN_CASES = [
+    dict(S=53, chunk_size=8, state_span=2, end_span=2, n_segments=3, local=False, split=False),
+    dict(S=70, chunk_size=16, state_span=2, end_span=1, n_segments=2, local=False, split=True),
+    dict(S=45, chunk_size=4, state_span=4, end_span=2, n_segments=2, local=False, split=False),
+    dict(S=53, chunk_size=8, state_span=2, end_span=1, n_segments=3, local=True, split=True),
+    dict(S=37, chunk_size=4, state_span=4, end_span=1, n_segments=2, local=True, split=False),
+    dict(S=20, chunk_size=8, state_span=4, end_span=1, n_segments=1, local=False, split=True),
+]
+
+
+@pytest.mark.parametrize("case", STATE_SPAN_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-st{c['state_span']}-"
+                         f"e{c['end_span']}-s{c['n_segments']}-{'local' if c['local'] else 'two'}")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_production_state_spans(check_kernel, case, dtype):
+    """A storing scan that loads several chunks a step stores every chunk's entering state."""
+    config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=32, local_states=case["local"],
+                        end_span_chunks=case["end_span"], state_span_chunks=case["state_span"],
+                        split_gate=case["split"])
+    check_kernel("production", B=1, S=case["S"], H=2, G=1, N=32, P=32, R=2, chunk_size=case["chunk_size"],
+                 dtype=dtype, z=True, config=config)
+
+
 # One scan pass writing segment-local states, the segment fold, and the output stage adding each
 # chunk's decayed entry state: segments that do not divide the chunks (5 chunks in 3 segments, 7 in
 # 3, 5 in 2), more segments than chunks, output spans that straddle segment boundaries, tails,

@@ -27,6 +27,7 @@ import triton.language as tl
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
 from .triton_utils import (
+    chunk_log_decay_at,
     chunk_rows,
     chunk_run_log_decay,
     load_rotated_gather,
@@ -48,9 +49,10 @@ def _state_scan_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
-    # Without STORE_STATES only a segment's end state is wanted, so a step may take a span of
-    # SPAN_CHUNKS chunks (L tokens) at once; CHUNKS_PER_SEG is then a multiple of SPAN_CHUNKS.
-    tl.static_assert(SPAN_CHUNKS == 1 or not STORE_STATES)
+    # A step takes a span of SPAN_CHUNKS chunks (L tokens); CHUNKS_PER_SEG is a multiple of SPAN_CHUNKS.
+    # Without STORE_STATES only a segment's end state is wanted: one product per half covers the span.
+    # With it every chunk's entering state is stored: one product per chunk of the span, its rows
+    # selected from the span's tiles (the loads of all the span's chunks are in flight together).
     L: tl.constexpr = C * SPAN_CHUNKS
     P_TILES: tl.constexpr = (P + BLOCK_P - 1) // BLOCK_P
     pid_n = tl.program_id(0) // P_TILES
@@ -109,14 +111,28 @@ def _state_scan_kernel(
             da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
         # exp(da_cs_rev) decays each token to the span end; it weighs psiv rows, not k~.
         _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
-        if SPAN_CHUNKS > 1:
+        if SPAN_CHUNKS > 1 and not STORE_STATES:
             da_rev += later
         k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
         psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows * k_weight[:, None]
-        psiv_w = psiv_w.to(DOT_DTYPE)
-        span_decay = tl.exp(span_log_decay)
-        state_lo = state_lo * span_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
-        state_hi = state_hi * span_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
+        if STORE_STATES and SPAN_CHUNKS > 1:
+            # da_cs_rev decays each token to its own chunk's end; chunk j's product takes its rows only.
+            for j in tl.static_range(SPAN_CHUNKS):
+                chunk_decay = tl.exp(chunk_log_decay_at(da_cs_seq, t0 + j * C, S, C))
+                psiv_j = tl.where((row_t // C == j)[:, None], psiv_w, 0.0).to(DOT_DTYPE)
+                state_lo = state_lo * chunk_decay + tl.dot(k_lo_t, psiv_j, input_precision=DOT_PRECISION)
+                state_hi = state_hi * chunk_decay + tl.dot(k_hi_t, psiv_j, input_precision=DOT_PRECISION)
+                if j + 1 < SPAN_CHUNKS:
+                    next_offs = (c + j + 1) * N * P + tile_offs
+                    next_mask = tile_mask & (c + j + 1 < NCH)
+                    tl.store(states_seq + next_offs, state_lo.to(states_ptr.dtype.element_ty), mask=next_mask)
+                    tl.store(states_seq + next_offs + HALF * P, state_hi.to(states_ptr.dtype.element_ty),
+                             mask=next_mask)
+        else:
+            psiv_w = psiv_w.to(DOT_DTYPE)
+            span_decay = tl.exp(span_log_decay)
+            state_lo = state_lo * span_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
+            state_hi = state_hi * span_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
 
     if STORE_END:
         # The last segment's end state is never read.
@@ -179,28 +195,30 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
     return seg_state
 
 
-def chunk_states(*, seg_state, states, n_segments, **scan_args):
+def chunk_states(*, seg_state, states, n_segments, span_chunks=1, **scan_args):
     """Write the state entering every chunk into ``states`` [B, H, nch, N, P] (any float dtype).
 
     ``seg_state`` is the output of ``segment_end_states`` with the same segmentation (None with
-    one segment); the other arguments are those of ``segment_end_states``.
+    one segment); the other arguments are those of ``segment_end_states``.  A step loads
+    ``span_chunks`` chunks and stores the state entering each of them.
     """
     # With one segment the fold never runs; any fp32 tensor stands in (same kernel specialization).
     _launch(**scan_args, n_segments=n_segments, seg_state=scan_args["cos_angles"] if seg_state is None else seg_state,
-            states=states, store_states=True, fold_earlier=True, store_end=False, segments_launched=n_segments)
+            states=states, store_states=True, fold_earlier=True, store_end=False, segments_launched=n_segments,
+            span_chunks=span_chunks)
 
 
-def chunk_local_states(*, states, n_segments, **scan_args):
+def chunk_local_states(*, states, n_segments, span_chunks=1, **scan_args):
     """One pass: every segment from a zero state, writing its chunks' local states and its end state.
 
     ``states`` [B, H, nch, N, P] receives, for each chunk, the state entering it counted from the
     start of its segment only; the state of the earlier segments is added by the output stage
-    (``segment_entry_states`` gives it).  Arguments as for ``segment_end_states``.
+    (``segment_entry_states`` gives it).  Arguments as for ``chunk_states``.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 holding each segment's end state (the last entry
         is never written).
     """
     seg_state = _segment_scratch(scan_args, n_segments)
     _launch(**scan_args, n_segments=n_segments, seg_state=seg_state, states=states, store_states=True,
-            fold_earlier=False, store_end=True, segments_launched=n_segments)
+            fold_earlier=False, store_end=True, segments_launched=n_segments, span_chunks=span_chunks)
     return seg_state

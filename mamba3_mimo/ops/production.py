@@ -28,6 +28,7 @@ about speed only; an explicit config a kernel cannot run is refused before any l
 """
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,8 @@ class ScanConfig:
     out_max_registers: register cap per thread of ``chunk_scan`` (0: the compiler's choice); 168 fits
     three 4-warp programs per SM instead of two.
     gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
+    state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
+    loads per step, storing the state entering each (1: one chunk a step; a sweep knob, untimed at 2).
     """
 
     block_p: int
@@ -97,13 +100,14 @@ class ScanConfig:
     split_gate: bool = False
     out_max_registers: int = 0
     gate_tokens: int = 64
+    state_span_chunks: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
-        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks"):
+        for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.out_max_registers and not 24 <= self.out_max_registers <= 255:
@@ -251,7 +255,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
                                has_z=z is not None)
     nch = cdiv(S, chunk_size)
-    span = 1 if config.local_states else config.end_span_chunks
+    # Segments hold whole steps of both scans.
+    span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
     chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
     n_segments = cdiv(nch, chunks_per_segment)
     local = config.local_states and n_segments > 1
@@ -269,11 +274,12 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
     seg_entry = None
     if local:
-        seg_entry = chunk_local_states(**scan, states=handoff)
+        seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
         segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
                              chunks_per_segment=chunks_per_segment)
     else:
-        chunk_states(**scan, seg_state=segment_end_states(**scan, span_chunks=span), states=handoff)
+        chunk_states(**scan, seg_state=segment_end_states(**scan, span_chunks=config.end_span_chunks), states=handoff,
+                     span_chunks=config.state_span_chunks)
     if config.split_gate:
         raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype(q, k, v, dout))
         chunk_scan(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,

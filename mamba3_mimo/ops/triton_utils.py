@@ -76,6 +76,14 @@ def load_token_weights(da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, t_abs, 
 
 
 @triton.jit
+def chunk_log_decay_at(da_cs_seq_ptr, chunk_start, S, C: tl.constexpr):
+    """Whole log decay of the chunk starting at ``chunk_start`` (a scalar): ``da_cs`` at its last valid
+    position (the cumsum restarts every chunk); 0 for a chunk that starts past S (padding)."""
+    chunk_end = tl.minimum(chunk_start + C - 1, S - 1)
+    return tl.where(chunk_start < S, tl.load(da_cs_seq_ptr + chunk_end).to(tl.float32), 0.0)
+
+
+@triton.jit
 def span_decay_offsets(da_cs_seq_ptr, t_abs, span_start, S, C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
     """Re-base the chunk-local cumsum ``da_cs`` to a span of SPAN_CHUNKS consecutive chunks.
 
@@ -90,9 +98,7 @@ def span_decay_offsets(da_cs_seq_ptr, t_abs, span_start, S, C: tl.constexpr, SPA
     later = tl.zeros(t_abs.shape, dtype=tl.float32)
     total = 0.0
     for i in tl.static_range(SPAN_CHUNKS):
-        chunk_start = span_start + i * C
-        chunk_end = tl.minimum(chunk_start + C - 1, S - 1)
-        chunk_log_decay = tl.where(chunk_start < S, tl.load(da_cs_seq_ptr + chunk_end).to(tl.float32), 0.0)
+        chunk_log_decay = chunk_log_decay_at(da_cs_seq_ptr, span_start + i * C, S, C)
         earlier += tl.where(sub_chunk > i, chunk_log_decay, 0.0)
         later += tl.where(sub_chunk < i, chunk_log_decay, 0.0)
         total += chunk_log_decay
