@@ -252,17 +252,23 @@ SPLIT_GATE_CASES = [
     dict(S=37, chunk_size=4, R=4, G=1, N=16, P=16, n_segments=2, out_span=4, local=False, out_block_p=16, z=False),
     dict(S=20, chunk_size=16, R=1, G=2, N=64, P=32, n_segments=1, out_span=1, local=False, out_block_p=32, z=True),
     dict(S=53, chunk_size=8, R=6, G=1, N=32, P=32, n_segments=3, out_span=2, local=True, out_block_p=32, z=True),
+    # chunk_scan programs walking several spans: a last program with spans past the sequence, local states.
+    dict(S=70, chunk_size=16, R=2, G=1, N=32, P=32, n_segments=3, out_span=1, local=True, out_block_p=32, z=True,
+         spans_per_program=2),
+    dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=True,
+         spans_per_program=4),
 ]
 
 
 @pytest.mark.parametrize("case", SPLIT_GATE_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-R{c['R']}-"
-                         f"o{c['out_span']}-{'local' if c['local'] else 'two'}")
+                         f"o{c['out_span']}-{'local' if c['local'] else 'two'}-g{c.get('spans_per_program', 1)}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_split_gate(check_kernel, case, dtype):
     """The two-pass output stage (chunk_scan, gate_grads) is exact against the float64 reference."""
     config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=case["out_block_p"],
                         local_states=case["local"], out_span_chunks=case["out_span"],
-                        end_span_chunks=case["out_span"], split_gate=True)
+                        end_span_chunks=case["out_span"], split_gate=True,
+                        chunks_per_program=case.get("spans_per_program", 1))
     check_kernel("production", B=2, S=case["S"], H=2, G=case["G"], N=case["N"], P=case["P"], R=case["R"],
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 

@@ -39,14 +39,14 @@ def _chunk_scan_kernel(
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
     # chunks are cut; the state read is the one entering the span.
     L: tl.constexpr = C * SPAN_CHUNKS
     pid_p = tl.program_id(0)
-    span = tl.program_id(1)
+    first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
@@ -61,82 +61,86 @@ def _chunk_scan_kernel(
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < P
-    t0 = span * L
-    first_chunk = span * SPAN_CHUNKS
-    t_tok = t0 + tok
-    tok_mask = (tok < L) & (t_tok < S)
-    rank_mask = rank < R
-    rows = tl.arange(0, ROWS)
-    row_t = rows // BLOCK_R
-    row_r = rows % BLOCK_R
-    t_rows = t0 + row_t
-    row_mask = (row_t < L) & (t_rows < S) & (row_r < R)
+    # A program takes SPANS_PER_PROGRAM spans one after the other (unrolled: the next span's loads can
+    # overlap this one's products); spans past the sequence are fully masked.
+    for step in tl.static_range(SPANS_PER_PROGRAM):
+        span = first_span + step
+        t0 = span * L
+        first_chunk = span * SPAN_CHUNKS
+        t_tok = t0 + tok
+        tok_mask = (tok < L) & (t_tok < S)
+        rank_mask = rank < R
+        rows = tl.arange(0, ROWS)
+        row_t = rows // BLOCK_R
+        row_r = rows % BLOCK_R
+        t_rows = t0 + row_t
+        row_mask = (row_t < L) & (t_rows < S) & (row_r < R)
 
-    disc_base = bh * S
-    da_cs_seq = da_cs_ptr + disc_base
-    qk_token_stride = R * G * N
-    qk_seq_offs = b * S * qk_token_stride + g * N
-    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
-    angle_seq = (b * S * H + h) * RD
+        disc_base = bh * S
+        da_cs_seq = da_cs_ptr + disc_base
+        qk_token_stride = R * G * N
+        qk_seq_offs = b * S * qk_token_stride + g * N
+        hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+        angle_seq = (b * S * H + h) * RD
 
-    state_lo, state_hi = load_entering_state(
-        states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-        half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
+        state_lo, state_hi = load_entering_state(
+            states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+            half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
 
-    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
-    # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
-    angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
-    rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
-    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
-    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0)[:, None, :]
-    mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
-    x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
-                            + offs_half[None, None, :])
-    bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
-    bias_mask = rank_mask[:, None] & half_mask[None, :]
-    q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-    q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-    q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
-    k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-    k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-    k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
-    q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-    q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-    k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-    k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-    scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
-    scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
-    if pid_p == 0:
-        # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
-        qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
-        qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
-        tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+        # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
+        # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
+        angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
+        rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
+        cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
+        sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0)[:, None, :]
+        mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
+        x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
+                                + offs_half[None, None, :])
+        bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
+        bias_mask = rank_mask[:, None] & half_mask[None, :]
+        q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+            tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+        q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+            tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+        q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
+        k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+            tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+        k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+            tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+        k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
+        q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+        q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+        k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+        k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+        scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
+        if pid_p == 0:
+            # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
+            qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
+            qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
+            tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
 
-    da_rows, _, gamma_rows, ts_rows = load_token_weights(
-        da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
-    if SPAN_CHUNKS > 1:
-        da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
-    weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
-    v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-    psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-    psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
+        da_rows, _, gamma_rows, ts_rows = load_token_weights(
+            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
+        if SPAN_CHUNKS > 1:
+            da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
+        weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
+        v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
+        psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+        psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
-    mixing = scores * weights
-    if HAS_D:
-        # The D skip D * psiv[t, r] is the diagonal of the mixing matrix: psiv is the product's operand.
-        mixing += tl.where(rows[:, None] == rows[None, :], tl.load(d_ptr + h).to(tl.float32), 0.0)
-    raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
-    raw_y += tl.exp(da_rows)[:, None] * y_state
+        mixing = scores * weights
+        if HAS_D:
+            # The D skip D * psiv[t, r] is the diagonal of the mixing matrix: psiv is the product's operand.
+            mixing += tl.where(rows[:, None] == rows[None, :], tl.load(d_ptr + h).to(tl.float32), 0.0)
+        raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+        raw_y += tl.exp(da_rows)[:, None] * y_state
 
-    # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
-    y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
-    tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
+        # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
+        y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
+        tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
 
 
 def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
@@ -154,11 +158,11 @@ def raw_y_dtype(q, k, v, dout):
 
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
                states, qk_dot, raw_y, chunk_size, block_p, dot_dtype, dot_precision, num_warps=4, span_chunks=1,
-               seg_entry=None, chunks_per_segment=1, max_registers=0):
+               seg_entry=None, chunks_per_segment=1, max_registers=0, spans_per_program=1):
     """Fill ``raw_y`` and ``qk_dot``; with ``seg_entry``, finish ``states`` too.
 
-    A program takes a span of ``span_chunks`` chunks as one chunk of span_chunks * C tokens and
-    one P tile of ``block_p`` columns.  With ``seg_entry`` (from ``segment_entry_states``),
+    A program takes ``spans_per_program`` spans, each of ``span_chunks`` chunks read as one chunk of
+    span_chunks * C tokens, and one P tile of ``block_p`` columns.  With ``seg_entry`` (from ``segment_entry_states``),
     ``states`` holds segment-local states on entry (``chunk_local_states``, segments of
     ``chunks_per_segment`` chunks) and the full states on return.  ``max_registers`` caps the
     registers per thread (0: the compiler's choice).
@@ -179,7 +183,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                          "use block_p >= 64")
     nch = cdiv(S, chunk_size)
     n_spans = cdiv(nch, span_chunks)
-    launch(_chunk_scan_kernel, (cdiv(P, block_p), n_spans, B * H),
+    launch(_chunk_scan_kernel, (cdiv(P, block_p), cdiv(n_spans, spans_per_program), B * H),
         q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
         da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
         S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2],
@@ -187,6 +191,6 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         **meta,
         ADD_ENTRY=seg_entry is not None,
         BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
-        HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}),
     )

@@ -77,8 +77,8 @@ class ScanConfig:
     (``segment_end_states``, ``chunk_states``).  Same outputs; ``end_span_chunks`` is then unused.
     split_gate: the output stage in two passes, ``chunk_scan`` (raw_y of all ranks at once, stored)
     then ``gate_grads`` (the gate gradients, streaming over tokens), instead of the fused
-    ``chunk_output``; out_block_p / out_num_warps / out_span_chunks then shape ``chunk_scan``, and
-    chunks_per_program / ranks_per_step are unused.
+    ``chunk_output``; out_block_p / out_num_warps / out_span_chunks / chunks_per_program then shape
+    ``chunk_scan`` (whose programs walk their spans unrolled), and ranks_per_step is unused.
     out_max_registers: register cap per thread of ``chunk_scan`` (0: the compiler's choice); 168 fits
     three 4-warp programs per SM instead of two.
     gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
@@ -287,7 +287,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                    states=handoff, qk_dot=qk_dot, raw_y=raw_y, chunk_size=chunk_size, block_p=config.out_block_p,
                    dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.out_num_warps,
                    span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment,
-                   max_registers=config.out_max_registers)
+                   max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
         dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                  tokens_per_program=config.gate_tokens)
     else:
