@@ -95,12 +95,10 @@ def main(argv=None):
         inputs = aot_report.empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=not args.no_z, **shape)
         launches = aot_report.capture_launches(
             lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
-        seen = set()
         for name, launch_args, kwargs in launches:
-            if name in seen:  # the two scan launches differ only in STORE_STATES; report the first
-                continue
-            seen.add(name)
-            ops = sass_ops(aot_report.compile_launch(name, launch_args, kwargs))
+            if name == "state_scan":  # the end-state pass, or the pass that stores the states
+                name += " (stores states)" if kwargs["STORE_STATES"] else " (end states)"
+            ops = sass_ops(aot_report.compile_launch(name.split()[0], launch_args, kwargs))
             body = largest_loop(ops)
             print(f"{case} {name}: {len(ops)} SASS instructions"
                   + (f", largest loop body {len(body)}" if body else ", no loop"))
