@@ -23,6 +23,7 @@ def test_key_separates_dtype_and_alignment():
     assert launch_module._spec(x.to(torch.bfloat16)) == (torch.bfloat16, True)
     assert launch_module._spec(7) == 7 and launch_module._spec(None) is None
     assert launch_module._spec(0.5) is float
+    assert launch_module._spec(True) != launch_module._spec(1)
 
 
 def test_trailing_args_take_kwargs_then_defaults():

@@ -36,6 +36,8 @@ def _spec(arg):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, float):
         return float  # Triton does not specialize on float values
+    if isinstance(arg, bool):
+        return bool, arg  # True == 1 as a dict key, but Triton types a bool i1 and an int 1 a constant
     return arg
 
 
