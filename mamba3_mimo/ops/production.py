@@ -83,7 +83,7 @@ class ScanConfig:
     three 4-warp programs per SM instead of two.
     gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
-    loads per step, storing the state entering each (1: one chunk a step; a sweep knob, untimed at 2).
+    loads per step, storing the state entering each (1: one chunk a step).
     """
 
     block_p: int
@@ -203,6 +203,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         local_states = N * out_block_p <= 128 * 64
     if local_states:
         want_segments = max(min(want_segments, 4), want_segments // 2)
+    # The scan that stores ``states`` takes a span of short chunks a step where its state tile is narrow (N <= 64):
+    # sweep of 5f4cfc7 (2026-12-04_h200_sweep_5f4cfc7.json, graph us, 1 -> 2 chunks a step): N16_P64_R4_C8
+    # 323 -> 297 (state scan 98 -> 73; 4 chunks: 344); 128-row steps lose or tie (N32_P64_R4_C16 290 -> 324,
+    # N64_P64_R4_C16 403 -> 400) and a [2 x 64, 64] tile loses (N128_P64_R4_C16 411 -> 595, state scan 122 -> 304).
+    state_span_chunks = span_chunks if N <= 64 else 1
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
@@ -221,7 +226,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
-                      gate_tokens=gate_tokens)
+                      gate_tokens=gate_tokens, state_span_chunks=state_span_chunks)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
