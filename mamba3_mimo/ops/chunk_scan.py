@@ -14,7 +14,6 @@ gate's per-token loads, rank sums and token sums stay out of this kernel, which 
 products and their operands (the fused ``chunk_output`` keeps them in and loops over the ranks).
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -148,12 +147,6 @@ def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
     block_r = next_power_of_2(R)
     return dict(BLOCK_L=max(next_power_of_2(chunk_size * span_chunks), 16 // min(block_r, 16)), BLOCK_R=block_r,
                 BLOCK_HALF=max(16, next_power_of_2(N // 2)), BLOCK_P=block_p, SPAN_CHUNKS=span_chunks)
-
-
-def raw_y_dtype(q, k, v, dout):
-    """Scratch dtype of raw_y: bf16 when the activations are bf16 (the products already round
-    their operands to bf16), else fp32 (fp16 has too little range, fp32 inputs need fp32)."""
-    return torch.bfloat16 if torch.bfloat16 in (q.dtype, k.dtype, v.dtype, dout.dtype) else torch.float32
 
 
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,

@@ -24,7 +24,7 @@ from .launch import launch
 from .triton_utils import silu_and_grad
 
 # Elements of one [ranks, tokens, cols] tile: 16 per thread at 4 warps, so each thread's raw_y slice
-# is two 16-byte bf16 loads and the two fp32 running sums take 32 registers (128 in all, 4 CTAs per SM).
+# is four 16-byte fp32 loads and the two fp32 running sums take 32 registers (128 in all, 4 CTAs per SM).
 TILE_ELEMENTS = 2048
 MAX_BLOCK_P = 64
 
