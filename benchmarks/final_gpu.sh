@@ -3,28 +3,33 @@
 # split output stage and small configs of the fused one, the GPU pairwise / tail / rank grids (dtypes, Z, D,
 # groups: every launch specialization the cached launcher keys on), the stage / launch / API / robustness tests, the
 # sanitizer's split cases (memcheck), then the official benchmark with Z on (production and stage0) and Z off.
-# usage: MAMBA3_COMMIT=<sha> bash benchmarks/final_gpu.sh     (results under $OUT, or ./gpu_out)
+# usage: MAMBA3_COMMIT=<sha> [PARTS="tests grids unit sanitize bench noz"] [BENCH_IMPL=production,stage0] \
+#        bash benchmarks/final_gpu.sh     (results under $OUT, or ./gpu_out)
+# All parts take ~540 s of one 600 s device call (tests 165, grids 140, unit 60, sanitize 35, bench 95, noz 35);
+# PARTS picks a subset (most important first), BENCH_IMPL=production skips stage0 in the Z-on benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 status=0
+PARTS="${PARTS:-tests grids unit sanitize bench noz}"
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
-MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-230} python3 -m pytest -q -p no:warnings tests/test_kernels.py \
-  -k "(test_official_grid and not fused) or test_production_split_gate or test_production_configs or \
-  test_production_local_states or miscompiled" 2>&1 | tail -n 6 \
-  | tee "$OUT/tests.log" || status=1
-timeout ${GRIDS_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py -k "gpu_pairwise or gpu_tail or \
-  gpu_rank" 2>&1 | tail -n 6 | tee -a "$OUT/tests.log" || status=1
-timeout ${UNIT_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_launch.py tests/test_stage_kernels.py \
-  tests/test_api_errors.py tests/test_robustness.py tests/test_triton_utils.py 2>&1 | tail -n 8 \
-  | tee -a "$OUT/tests.log" || status=1
-SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-90} bash benchmarks/sanitize.sh memcheck 2>&1 \
-  | tail -n 12 | tee "$OUT/sanitize.log" || status=1
-timeout ${BENCH_TIMEOUT:-250} python3 -m mamba3_mimo.bench --json "$OUT/bwd_fwd_h200.json" \
-  --png "$OUT/bwd_fwd_h200.png" 2>&1 | tail -n 17 || status=1
-timeout ${NOZ_TIMEOUT:-130} python3 -m mamba3_mimo.bench --no-z --impl production --json "$OUT/bwd_fwd_h200_noz.json" \
-  --png "$OUT/bwd_fwd_h200_noz.png" 2>&1 | tail -n 15 || status=1
+want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-230} python3 -m pytest -q -p no:warnings \
+  tests/test_kernels.py -k "(test_official_grid and not fused) or test_production_split_gate or \
+  test_production_configs or test_production_local_states or miscompiled" 2>&1 | tail -n 6 \
+  | tee "$OUT/tests.log" || status=1; }
+want grids && { timeout ${GRIDS_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py \
+  -k "gpu_pairwise or gpu_tail or gpu_rank" 2>&1 | tail -n 6 | tee -a "$OUT/tests.log" || status=1; }
+want unit && { timeout ${UNIT_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_launch.py \
+  tests/test_stage_kernels.py tests/test_api_errors.py tests/test_robustness.py tests/test_triton_utils.py 2>&1 \
+  | tail -n 8 | tee -a "$OUT/tests.log" || status=1; }
+want sanitize && { SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-90} \
+  bash benchmarks/sanitize.sh memcheck 2>&1 | tail -n 12 | tee "$OUT/sanitize.log" || status=1; }
+want bench && { timeout ${BENCH_TIMEOUT:-250} python3 -m mamba3_mimo.bench --impl "${BENCH_IMPL:-production,stage0}" \
+  --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" 2>&1 | tail -n 17 || status=1; }
+want noz && { timeout ${NOZ_TIMEOUT:-130} python3 -m mamba3_mimo.bench --no-z --impl production \
+  --json "$OUT/bwd_fwd_h200_noz.json" --png "$OUT/bwd_fwd_h200_noz.png" 2>&1 | tail -n 15 || status=1; }
 exit $status

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-off device sweep of the split output stage, a case per process (a faulting candidate poisons its
 # CUDA context, so it may cost only its own case); per-case JSON under $OUT, a one-line summary per config.
-# usage: MAMBA3_COMMIT=<sha> CASES="..." KNOBS="..." bash benchmarks/sweep_cases.sh
+# usage: MAMBA3_COMMIT=<sha> CASES="..." KNOBS="..." [NOZ=1] bash benchmarks/sweep_cases.sh   (NOZ=1: without Z)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -9,7 +9,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 for c in ${CASES}; do
   timeout ${CASE_TIMEOUT:-100} python3 -m mamba3_mimo.bench --cases $c --impl production --sweep --knobs ${KNOBS} \
-    --input-sets 2 --breakdown --json "$OUT/sw_$c.json" 2>&1 | grep -E "FAILED" | cut -c 1-400 | head -3
+    ${NOZ:+--no-z} --input-sets 2 --breakdown --json "$OUT/sw_$c.json" 2>&1 | grep -E "FAILED" | cut -c 1-400 | head -3
 done
 python3 - <<'PY'
 import glob, json, os
