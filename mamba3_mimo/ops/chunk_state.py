@@ -109,14 +109,17 @@ def _state_scan_kernel(
                                              N, RD, DOT_DTYPE, TRANSPOSED=True)
         _, da_rev, _, trap_scale = load_token_weights(
             da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
-        # exp(da_cs_rev) decays each token to the span end; it weighs psiv rows, not k~.
-        _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
-        if SPAN_CHUNKS > 1 and not STORE_STATES:
-            da_rev += later
+        # exp(da_cs_rev) decays each token to its chunk's end; it weighs psiv rows, not k~.  One product over
+        # the whole span (everywhere but a storing scan in spans) decays each token to the span end instead.
+        ONE_PRODUCT: tl.constexpr = SPAN_CHUNKS == 1 or not STORE_STATES
+        if ONE_PRODUCT:
+            _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
+            if SPAN_CHUNKS > 1:
+                da_rev += later
         k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
         psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows * k_weight[:, None]
-        if STORE_STATES and SPAN_CHUNKS > 1:
-            # da_cs_rev decays each token to its own chunk's end; chunk j's product takes its rows only.
+        if not ONE_PRODUCT:
+            # Chunk j's product takes its rows only, each decayed to chunk j's end.
             for j in tl.static_range(SPAN_CHUNKS):
                 chunk_decay = tl.exp(chunk_log_decay_at(da_cs_seq, t0 + j * C, S, C))
                 psiv_j = tl.where((row_t // C == j)[:, None], psiv_w, 0.0).to(DOT_DTYPE)
