@@ -273,7 +273,6 @@ def test_production_split_gate(check_kernel, case, dtype):
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 
 
-
 @pytest.mark.skipif(HAS_CUDA, reason="needs the interpreter, whose products are fp32-exact (bf16 GPU products round)")
 def test_split_gate_scratch_keeps_fp32(check_kernel):
     """bf16 activations, fp32 outputs: nothing between chunk_scan and gate_grads rounds below fp32.
