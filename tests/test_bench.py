@@ -84,9 +84,10 @@ def test_dispatcher_output_stage(N, P, has_z, split):
 
 
 @pytest.mark.parametrize("N,P,R,C,state_span", [(16, 64, 4, 8, 2), (32, 64, 4, 16, 1), (256, 64, 4, 8, 1),
-                                                (128, 128, 4, 8, 1), (64, 64, 2, 8, 4)])
+                                                (128, 128, 4, 8, 1), (64, 64, 2, 8, 2)])
 def test_dispatcher_state_spans(N, P, R, C, state_span):
-    """The storing scan takes the output stage's span of short chunks (64 rows) at N <= 64 only (optimization.md 18)."""
+    """The storing scan takes two chunks a step where the output stage spans short chunks, at N <= 64 only
+    (optimization.md 18); R = 2, C = 8 spans four chunks in the output stage and two in the scan."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132)
     assert config.state_span_chunks == state_span
-    assert state_span == 1 or config.out_span_chunks == state_span
+    assert state_span == 1 or config.out_span_chunks >= state_span

@@ -207,7 +207,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # sweep of 5f4cfc7 (2026-12-04_h200_sweep_5f4cfc7.json, graph us, 1 -> 2 chunks a step): N16_P64_R4_C8
     # 323 -> 297 (state scan 98 -> 73; 4 chunks: 344); 128-row steps lose or tie (N32_P64_R4_C16 290 -> 324,
     # N64_P64_R4_C16 403 -> 400) and a [2 x 64, 64] tile loses (N128_P64_R4_C16 411 -> 595, state scan 122 -> 304).
-    state_span_chunks = span_chunks if N <= 64 else 1
+    # Two chunks at most: the only count timed to win (four spans' products each cover the whole span's rows).
+    state_span_chunks = min(span_chunks, 2) if N <= 64 else 1
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
