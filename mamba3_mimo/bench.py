@@ -83,7 +83,8 @@ def jit_kernels():
     from .ops import chunk_output, chunk_scan, chunk_state, gate_grads, group_sum, stage0, state_passing, token_tables
 
     return {"state_scan": chunk_state._state_scan_kernel, "chunk_output": chunk_output._chunk_output_kernel,
-            "chunk_scan": chunk_scan._chunk_scan_kernel, "gate_grads": gate_grads._gate_grads_kernel,
+            "chunk_scan": chunk_scan._chunk_scan_kernel, "chunk_scan_gate": chunk_scan._chunk_scan_gate_kernel,
+            "gate_grads": gate_grads._gate_grads_kernel,
             "token_tables": token_tables._token_tables_kernel,
             "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
@@ -218,6 +219,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         out_max_registers=[0, 168],
         gate_tokens=[32, 64, 128, 256],
         state_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
+        gate_in_scan=[False, True],
     )
     groups = [(name,) for name in knobs]
     if knob_names is not None:
@@ -240,6 +242,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
             if candidate.local_states:  # the one-pass schedule has no end-state scan: its span is moot
                 candidate = dataclasses.replace(candidate, end_span_chunks=1)
             if not candidate.split_gate:  # the fused output stage has no gate_grads pass
+                candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens, gate_in_scan=False)
+            elif candidate.gate_in_scan:  # nor has chunk_scan applying the gate
                 candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens)
             candidates.add(candidate)
     order = [f.name for f in dataclasses.fields(ScanConfig)]

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mamba3_mimo.bench import geomean, parse_case, sweep_configs
-from mamba3_mimo.ops.production import choose_config
+from mamba3_mimo.ops.production import ScanConfig, choose_config
 
 SHAPE = dict(B=4, S=2048, H=16, N=64, P=128, R=4, chunk_size=16, num_sms=132)
 
@@ -91,3 +91,12 @@ def test_dispatcher_state_spans(N, P, R, C, state_span):
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132)
     assert config.state_span_chunks == state_span
     assert state_span == 1 or config.out_span_chunks >= state_span
+
+
+def test_sweep_of_gate_in_scan():
+    """gate_in_scan candidates are split-stage configs without a gate_grads setting (chunk_scan applies the gate)."""
+    chosen, configs = sweep_configs(**SHAPE, knob_names=["gate_in_scan", "split_gate"])
+    in_scan = [c for c in configs if c.gate_in_scan]
+    assert in_scan == [dataclasses.replace(chosen, gate_in_scan=True, gate_tokens=ScanConfig.gate_tokens)]
+    assert all(c.split_gate for c in in_scan)
+    assert not any(c.gate_in_scan for c in configs if not c.split_gate)

@@ -257,18 +257,30 @@ SPLIT_GATE_CASES = [
          spans_per_program=2),
     dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=True,
          spans_per_program=4),
+    # chunk_scan applying the gate itself (gate_in_scan): three P tiles and spans past the sequence, no Z,
+    # padding ranks (R = 6 in 8) with local states, one rank.
+    dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=True,
+         spans_per_program=4, gate_in_scan=True),
+    dict(S=37, chunk_size=4, R=4, G=1, N=16, P=16, n_segments=2, out_span=4, local=False, out_block_p=16, z=False,
+         gate_in_scan=True),
+    dict(S=53, chunk_size=8, R=6, G=1, N=32, P=32, n_segments=3, out_span=2, local=True, out_block_p=32, z=True,
+         gate_in_scan=True),
+    dict(S=20, chunk_size=16, R=1, G=2, N=64, P=32, n_segments=1, out_span=1, local=False, out_block_p=32, z=True,
+         gate_in_scan=True),
 ]
 
 
 @pytest.mark.parametrize("case", SPLIT_GATE_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-R{c['R']}-"
-                         f"o{c['out_span']}-{'local' if c['local'] else 'two'}-g{c.get('spans_per_program', 1)}")
+                         f"o{c['out_span']}-{'local' if c['local'] else 'two'}-g{c.get('spans_per_program', 1)}"
+                         f"{'-gate_in_scan' if c.get('gate_in_scan') else ''}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_split_gate(check_kernel, case, dtype):
-    """The two-pass output stage (chunk_scan, gate_grads) is exact against the float64 reference."""
+    """The split output stage (chunk_scan, then gate_grads or the gate in chunk_scan) is exact against float64."""
     config = ScanConfig(block_p=16, n_segments=case["n_segments"], out_block_p=case["out_block_p"],
                         local_states=case["local"], out_span_chunks=case["out_span"],
                         end_span_chunks=case["out_span"], split_gate=True,
-                        chunks_per_program=case.get("spans_per_program", 1))
+                        chunks_per_program=case.get("spans_per_program", 1),
+                        gate_in_scan=case.get("gate_in_scan", False))
     check_kernel("production", B=2, S=case["S"], H=2, G=case["G"], N=case["N"], P=case["P"], R=case["R"],
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import seed_for
+from mamba3_mimo.ops.chunk_scan import chunk_scan
 from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
 from mamba3_mimo.ops.group_sum import sum_group_partials
 from mamba3_mimo.ops.state_passing import segment_entry_states
@@ -128,3 +129,15 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
         gate = torch.ones_like(y)
         assert dzeta_part is None
     torch.testing.assert_close(dphi_part.cpu().double().sum(2), (gate * y * g).sum(2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("give", ["both", "neither"])
+def test_chunk_scan_takes_raw_y_or_dout(give):
+    """chunk_scan fills the raw_y scratch or applies the gate (dout): exactly one, refused before any launch."""
+    x = torch.zeros(1, 4, 1, 1, 16)
+    act = torch.zeros(1, 4, 1, 16)
+    tensors = dict(q=x, k=x, v=act, cos_angles=act, sin_angles=act, q_bias=x, k_bias=x, mimo_v=act, d=None,
+                   da_cs=act, da_cs_rev=act, gamma=act, trap_scale=act, states=x, qk_dot=x)
+    chosen = dict(raw_y=x, dout=act) if give == "both" else {}
+    with pytest.raises(ValueError, match="raw_y .* or dout"):
+        chunk_scan(**tensors, **chosen, chunk_size=4, block_p=16, dot_dtype=None, dot_precision=None)

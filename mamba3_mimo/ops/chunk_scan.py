@@ -14,6 +14,7 @@ gate's per-token loads, rank sums and token sums stay out of this kernel, which 
 products and their operands (the fused ``chunk_output`` keeps them in and loops over the ranks).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,27 +27,29 @@ from .triton_utils import (
     load_rows,
     load_token_weights,
     rotate_half,
+    silu_and_grad,
     span_decay_offsets,
 )
 
 
 @triton.jit
-def _chunk_scan_kernel(
+def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr, raw_y_ptr,
-    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
+
+    Returns raw_y and its rows' tokens (t_rows), ranks (row_r) and mask, the tile's columns and their mask.
+    """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
     # chunks are cut; the state read is the one entering the span.
     L: tl.constexpr = C * SPAN_CHUNKS
-    pid_p = tl.program_id(0)
-    first_span = tl.program_id(1) * SPANS_PER_PROGRAM
-    bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
     g = h // HEADS_PER_GROUP
@@ -60,86 +63,165 @@ def _chunk_scan_kernel(
     half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < P
+    t0 = span * L
+    first_chunk = span * SPAN_CHUNKS
+    t_tok = t0 + tok
+    tok_mask = (tok < L) & (t_tok < S)
+    rank_mask = rank < R
+    rows = tl.arange(0, ROWS)
+    row_t = rows // BLOCK_R
+    row_r = rows % BLOCK_R
+    t_rows = t0 + row_t
+    row_mask = (row_t < L) & (t_rows < S) & (row_r < R)
+
+    disc_base = bh * S
+    da_cs_seq = da_cs_ptr + disc_base
+    qk_token_stride = R * G * N
+    qk_seq_offs = b * S * qk_token_stride + g * N
+    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    angle_seq = (b * S * H + h) * RD
+
+    state_lo, state_hi = load_entering_state(
+        states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+        half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
+
+    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
+    # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
+    angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
+    rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
+    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
+    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0)[:, None, :]
+    mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
+    x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
+                            + offs_half[None, None, :])
+    bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
+    bias_mask = rank_mask[:, None] & half_mask[None, :]
+    q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+    q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+    q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
+    k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+    k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+    k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
+    q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
+    if pid_p == 0:
+        # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
+        qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
+        qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
+        tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+
+    da_rows, _, gamma_rows, ts_rows = load_token_weights(
+        da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
+    if SPAN_CHUNKS > 1:
+        da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
+    weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
+    v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
+    psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+    psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
+
+    mixing = scores * weights
+    if HAS_D:
+        # The D skip D * psiv[t, r] is the diagonal of the mixing matrix: psiv is the product's operand.
+        mixing += tl.where(rows[:, None] == rows[None, :], tl.load(d_ptr + h).to(tl.float32), 0.0)
+    raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+    raw_y += tl.exp(da_rows)[:, None] * y_state
+    return raw_y, t_rows, row_r, row_mask, offs_p, p_mask
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr, raw_y_ptr,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    first_span = tl.program_id(1) * SPANS_PER_PROGRAM
+    bh = tl.program_id(2).to(tl.int64)
     # A program takes SPANS_PER_PROGRAM spans one after the other (unrolled: the next span's loads can
     # overlap this one's products); spans past the sequence are fully masked.
     for step in tl.static_range(SPANS_PER_PROGRAM):
-        span = first_span + step
-        t0 = span * L
-        first_chunk = span * SPAN_CHUNKS
-        t_tok = t0 + tok
-        tok_mask = (tok < L) & (t_tok < S)
-        rank_mask = rank < R
-        rows = tl.arange(0, ROWS)
-        row_t = rows // BLOCK_R
-        row_r = rows % BLOCK_R
-        t_rows = t0 + row_t
-        row_mask = (row_t < L) & (t_rows < S) & (row_r < R)
-
-        disc_base = bh * S
-        da_cs_seq = da_cs_ptr + disc_base
-        qk_token_stride = R * G * N
-        qk_seq_offs = b * S * qk_token_stride + g * N
-        hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
-        angle_seq = (b * S * H + h) * RD
-
-        state_lo, state_hi = load_entering_state(
-            states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-            half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
-
-        # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
-        # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
-        angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
-        rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
-        cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
-        sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0)[:, None, :]
-        mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
-        x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
-                                + offs_half[None, None, :])
-        bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
-        bias_mask = rank_mask[:, None] & half_mask[None, :]
-        q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-            tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-        q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-            tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-        q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
-        k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-            tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-        k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-            tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-        k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
-        q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-        q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-        k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-        k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-        scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
-        if pid_p == 0:
-            # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
-            qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
-            qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
-            tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
-
-        da_rows, _, gamma_rows, ts_rows = load_token_weights(
-            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
-        if SPAN_CHUNKS > 1:
-            da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
-        weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
-        v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-        psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-        psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
-
-        mixing = scores * weights
-        if HAS_D:
-            # The D skip D * psiv[t, r] is the diagonal of the mixing matrix: psiv is the product's operand.
-            mixing += tl.where(rows[:, None] == rows[None, :], tl.load(d_ptr + h).to(tl.float32), 0.0)
-        raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
-        raw_y += tl.exp(da_rows)[:, None] * y_state
-
+        raw_y, t_rows, row_r, row_mask, offs_p, p_mask = _span_raw_y(
+            q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
+            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+            S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS, HAS_D,
+            DOT_DTYPE, DOT_PRECISION)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
         tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
+
+
+
+@triton.jit
+def _chunk_scan_gate_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+    dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, N_SPANS,
+    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+):
+    """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
+    tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials)."""
+    pid_p = tl.program_id(0)
+    first_span = tl.program_id(1) * SPANS_PER_PROGRAM
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    L: tl.constexpr = C * SPAN_CHUNKS
+    tok = tl.arange(0, BLOCK_L)
+    rank = tl.arange(0, BLOCK_R)
+    rank_mask = rank < R
+    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    for step in tl.static_range(SPANS_PER_PROGRAM):
+        span = first_span + step
+        raw_y, _, _, _, offs_p, p_mask = _span_raw_y(
+            q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
+            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+            S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS, HAS_D,
+            DOT_DTYPE, DOT_PRECISION)
+        # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
+        t_tok = span * L + tok
+        tok_mask = (tok < L) & (t_tok < S)
+        y_dout = tl.reshape(raw_y, (BLOCK_L, BLOCK_R, BLOCK_P)) * \
+            load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        phi = load_rows(phi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+        if HAS_Z:
+            z = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+            zeta = load_rows(zeta_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+            gate, dgate = silu_and_grad(z * zeta[None, :, :], FAST_SIGMOID)
+            du_over_phi = y_dout * dgate  # dL/du without its Phi factor
+            dphi = tl.sum(gate * y_dout, axis=0)
+            dzeta = phi * tl.sum(du_over_phi * z, axis=0)
+            dz = tl.sum(du_over_phi * (phi * zeta)[None, :, :], axis=1)
+            dz_offs = hp_seq + t_tok[:, None] * (H * P) + offs_p[None, :]
+            tl.store(dz_ptr + dz_offs, dz.to(dz_ptr.dtype.element_ty), mask=tok_mask[:, None] & p_mask[None, :])
+        else:
+            dphi = tl.sum(y_dout, axis=0)
+        # Spans past the sequence (the last program's, SPANS_PER_PROGRAM > 1) have no partial row.
+        part = ((bh * N_SPANS + span) * R + rank[:, None]) * P + offs_p[None, :]
+        part_mask = rank_mask[:, None] & p_mask[None, :] & (span < N_SPANS)
+        tl.store(dphi_ptr + part, dphi, mask=part_mask)
+        if HAS_Z:
+            tl.store(dzeta_ptr + part, dzeta, mask=part_mask)
 
 
 def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
@@ -150,9 +232,11 @@ def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
 
 
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
-               states, qk_dot, raw_y, chunk_size, block_p, dot_dtype, dot_precision, num_warps=4, span_chunks=1,
-               seg_entry=None, chunks_per_segment=1, max_registers=0, spans_per_program=1):
-    """Fill ``raw_y`` and ``qk_dot``; with ``seg_entry``, finish ``states`` too.
+               states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, dout=None, z=None,
+               mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None, chunks_per_segment=1,
+               max_registers=0, spans_per_program=1):
+    """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
+    and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
     A program takes ``spans_per_program`` spans, each of ``span_chunks`` chunks read as one chunk of
     span_chunks * C tokens, and one P tile of ``block_p`` columns.  With ``seg_entry`` (from ``segment_entry_states``),
@@ -164,10 +248,17 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``); states: [B, H, nch, N, P];
         seg_entry: [B, H, n_segments, N, P] fp32 or None; qk_dot: [B, H, S, R, R];
-        raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip).
+        raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip), None with ``dout``;
+        dout, z: [B, S, H, P] (z may be None); mimo_o, mimo_z: [H, R, P] fp32 (mimo_z None without z);
+        dz: [B, S, H, P] or None (without z).
+    Returns:
+        None; with ``dout``: dphi_partial, dzeta_partial: [B, H, n_spans, R, P] fp32 (dzeta_partial None
+        without z), to be summed over dim 2 by ``sum_group_partials``.
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
+    if (raw_y is None) == (dout is None):
+        raise ValueError("chunk_scan: pass raw_y (the scratch to fill) or dout (apply the gate), not both")
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
     if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
         # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
@@ -176,14 +267,22 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                          "use block_p >= 64")
     nch = cdiv(S, chunk_size)
     n_spans = cdiv(nch, span_chunks)
-    launch(_chunk_scan_kernel, (cdiv(P, block_p), cdiv(n_spans, spans_per_program), B * H),
-        q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
-        da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot, raw_y,
-        S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2],
-        C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
-        **meta,
-        ADD_ENTRY=seg_entry is not None,
+    grid = (cdiv(P, block_p), cdiv(n_spans, spans_per_program), B * H)
+    inputs = (q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
+              da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot)
+    sizes = (S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2])
+    constants = dict(
+        C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta, ADD_ENTRY=seg_entry is not None,
         BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
-        num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}),
-    )
+        num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
+    if raw_y is not None:
+        launch(_chunk_scan_kernel, grid, *inputs, raw_y, *sizes, **constants)
+        return None
+    has_z = z is not None
+    dphi = torch.empty((B, H, n_spans, R, P), device=q.device, dtype=torch.float32)
+    dzeta = torch.empty_like(dphi) if has_z else None
+    launch(_chunk_scan_gate_kernel, grid, *inputs, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
+           dz if has_z else dout, dphi, dzeta if has_z else dphi, *sizes, n_spans, **constants,
+           HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(q))
+    return dphi, dzeta

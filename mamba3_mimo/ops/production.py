@@ -84,6 +84,8 @@ class ScanConfig:
     gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
     loads per step, storing the state entering each (1: one chunk a step).
+    gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
+    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (a sweep knob, untimed).
     """
 
     block_p: int
@@ -101,6 +103,7 @@ class ScanConfig:
     out_max_registers: int = 0
     gate_tokens: int = 64
     state_span_chunks: int = 1
+    gate_in_scan: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -286,16 +289,21 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     else:
         chunk_states(**scan, seg_state=segment_end_states(**scan, span_chunks=config.end_span_chunks), states=handoff,
                      span_chunks=config.state_span_chunks)
-    if config.split_gate:
+    output_stage = dict(
+        q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
+        d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
+        chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
+        num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
+        chunks_per_segment=chunks_per_segment)
+    if config.split_gate and config.gate_in_scan:
+        dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
+                                 max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+    elif config.split_gate:
         # fp32 scratch: dz sums raw_y over ranks, and where those terms cancel a bf16 raw_y tipped dz over the
         # dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE 1.18e-1 > 2 x 5.34e-2 at 9d55f71).
         raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=torch.float32)
-        chunk_scan(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias,
-                   mimo_v=mimo_v, d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale,
-                   states=handoff, qk_dot=qk_dot, raw_y=raw_y, chunk_size=chunk_size, block_p=config.out_block_p,
-                   dot_dtype=dot_dtype, dot_precision=dot_precision, num_warps=config.out_num_warps,
-                   span_chunks=config.out_span_chunks, seg_entry=seg_entry, chunks_per_segment=chunks_per_segment,
-                   max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+        chunk_scan(**output_stage, raw_y=raw_y, max_registers=config.out_max_registers,
+                   spans_per_program=config.chunks_per_program)
         dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                  tokens_per_program=config.gate_tokens)
     else:
