@@ -85,7 +85,7 @@ class ScanConfig:
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
     loads per step, storing the state entering each (1: one chunk a step).
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
-    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (a sweep knob, untimed).
+    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (a sweep knob, not yet run on a GPU).
     """
 
     block_p: int
