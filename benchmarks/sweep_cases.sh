@@ -16,7 +16,8 @@ import glob, json, os
 for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
     for r in json.load(open(f))["records"]:
         c = r["config"]
-        print(r["case"], "split" if c["split_gate"] else "fused", "local" if c["local_states"] else "two",
+        stage = ("scan-gate" if c.get("gate_in_scan") else "split") if c["split_gate"] else "fused"
+        print(r["case"], stage, "local" if c["local_states"] else "two",
               c["out_num_warps"], c["out_block_p"], c["out_max_registers"], c.get("gate_tokens"), round(r["graph_ms"] * 1e3),
               {k[1:12]: round(v) for k, v in r["breakdown_us"].items() if v > 3})
 PY
