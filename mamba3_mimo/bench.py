@@ -196,7 +196,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
     import dataclasses
     import itertools
 
-    from .ops.production import ScanConfig, choose_config
+    from .ops.production import ScanConfig, choose_config, gate_tokens_per_program
 
     nch = math.ceil(S / chunk_size)
     chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms, has_z=has_z)
@@ -245,6 +245,9 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
                 candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens, gate_in_scan=False)
             elif candidate.gate_in_scan:  # nor has chunk_scan applying the gate
                 candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens)
+            elif base.gate_in_scan:  # gate_grads back: the dispatcher's token range for it
+                candidate = dataclasses.replace(candidate, gate_tokens=gate_tokens_per_program(
+                    B=B, H=H, S=S, R=R, P=P, num_sms=num_sms))
             candidates.add(candidate)
     order = [f.name for f in dataclasses.fields(ScanConfig)]
     return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mamba3_mimo.bench import geomean, parse_case, sweep_configs
-from mamba3_mimo.ops.production import ScanConfig, choose_config
+from mamba3_mimo.ops.production import ScanConfig, choose_config, gate_tokens_per_program
 
 SHAPE = dict(B=4, S=2048, H=16, N=64, P=128, R=4, chunk_size=16, num_sms=132)
 
@@ -100,3 +100,24 @@ def test_sweep_of_gate_in_scan():
     assert in_scan == [dataclasses.replace(chosen, gate_in_scan=True, gate_tokens=ScanConfig.gate_tokens)]
     assert all(c.split_gate for c in in_scan)
     assert not any(c.gate_in_scan for c in configs if not c.split_gate)
+
+
+@pytest.mark.parametrize("R,C,has_z,in_scan", [(1, 64, True, True), (1, 64, False, True), (2, 32, True, False),
+                                               (4, 16, True, False)])
+def test_dispatcher_gate_in_scan(R, C, has_z, in_scan):
+    """chunk_scan applies the gate itself at R = 1 only (optimization.md 19), without a gate_grads setting."""
+    config = choose_config(B=4, H=16, S=2048, N=128, P=64, R=R, chunk_size=C, num_sms=132, has_z=has_z)
+    assert config.split_gate and config.gate_in_scan is in_scan
+    assert not in_scan or config.gate_tokens == ScanConfig.gate_tokens
+
+
+def test_sweep_at_one_rank_offers_gate_grads_with_its_token_range():
+    """Where the dispatcher applies the gate in chunk_scan, the sweep's gate_grads candidate takes the dispatcher's
+    token range for gate_grads, as the split stage would be chosen at R > 1."""
+    shape = dict(B=4, S=2048, H=16, N=128, P=64, R=1, chunk_size=64, num_sms=132)
+    chosen, configs = sweep_configs(**shape, knob_names=["gate_in_scan"])
+    assert chosen.gate_in_scan
+    split = [c for c in configs if c.split_gate and not c.gate_in_scan]
+    tokens = gate_tokens_per_program(B=4, H=16, S=2048, R=1, P=64, num_sms=132)
+    assert split == [dataclasses.replace(chosen, gate_in_scan=False, gate_tokens=tokens)]
+    assert tokens != ScanConfig.gate_tokens

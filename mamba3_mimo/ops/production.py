@@ -85,7 +85,7 @@ class ScanConfig:
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
     loads per step, storing the state entering each (1: one chunk a step).
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
-    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (a sweep knob, not yet run on a GPU).
+    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice at R = 1).
     """
 
     block_p: int
@@ -218,6 +218,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     chunks_per_program = 1
     out_max_registers = 0
     gate_tokens = ScanConfig.gate_tokens
+    # chunk_scan applies the gate itself (no raw_y scratch, no gate_grads launch) only at R = 1: sweep of 176994b
+    # (2026-12-04_h200_sweep_176994b.json, graph us, split -> gate in chunk_scan): N128_P64_R1_C64 180 -> 172;
+    # it loses from R = 2 on, where chunk_scan's gate math outgrows what gate_grads took (R2_C32 254 -> 258,
+    # N128_P64_R4_C16 447 -> 458, R8_C8 916 -> 966, N64_P128 628 -> 656, N128_P128 928 -> 969).
+    gate_in_scan = bool(split_gate and R == 1)
     if split_gate:
         # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
         # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
@@ -225,12 +230,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         out_num_warps = 4
         if N <= 128:
             out_max_registers = 168
-        gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
+        if not gate_in_scan:
+            gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
-                      gate_tokens=gate_tokens, state_span_chunks=state_span_chunks)
+                      gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
