@@ -103,9 +103,10 @@ def test_sweep_of_gate_in_scan():
 
 
 @pytest.mark.parametrize("R,C,has_z,in_scan", [(1, 64, True, True), (1, 64, False, True), (2, 32, True, False),
-                                               (4, 16, True, False)])
+                                               (4, 16, True, False), (4, 16, False, True), (8, 8, False, True)])
 def test_dispatcher_gate_in_scan(R, C, has_z, in_scan):
-    """chunk_scan applies the gate itself at R = 1 only (optimization.md 19), without a gate_grads setting."""
+    """chunk_scan applies the gate itself without Z, and with Z at R = 1 only (optimization.md 19), without a
+    gate_grads setting."""
     config = choose_config(B=4, H=16, S=2048, N=128, P=64, R=R, chunk_size=C, num_sms=132, has_z=has_z)
     assert config.split_gate and config.gate_in_scan is in_scan
     assert not in_scan or config.gate_tokens == ScanConfig.gate_tokens

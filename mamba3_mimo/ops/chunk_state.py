@@ -30,7 +30,6 @@ from .triton_utils import (
     chunk_log_decay_at,
     chunk_rows,
     chunk_run_log_decay,
-    load_biased_halves,
     load_rotated_gather,
     load_rows,
     load_token_weights,
@@ -79,9 +78,6 @@ def _state_scan_kernel(
     k_bias_head = k_bias_ptr + h * R * N
     psi_rows = load_rows(psi_ptr + h * R * P, row_r * P, row_valid, offs_p, p_mask)
 
-    # Columns n >= RD of each half are not rotated: a tile wholly past RD skips the cos / sin loads and the
-    # rotation (at RD = N/4 half the N tiles of N128_P128_R4_C8 and N256_P64_R4_C8).
-    rotated_tile = pid_n * BLOCK_HALF < RD
     tile_offs = offs_half[:, None] * P + offs_p[None, :]
     tile_mask = half_mask[:, None] & p_mask[None, :]
     state_lo = tl.zeros((BLOCK_HALF, BLOCK_P), dtype=tl.float32)
@@ -108,14 +104,9 @@ def _state_scan_kernel(
                      mask=chunk_mask)
 
         # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
-        if rotated_tile:
-            k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base,
-                                                 t_rows, row_r, row_mask, R * G * N, G * N, H * RD, offs_half,
-                                                 half_mask, N, RD, DOT_DTYPE, TRANSPOSED=True)
-        else:
-            k_lo_t, k_hi_t = load_biased_halves(k_seq, k_bias_head, t_rows, row_r, row_mask, R * G * N, G * N,
-                                                offs_half, half_mask, N, TRANSPOSED=True)
-            k_lo_t, k_hi_t = k_lo_t.to(DOT_DTYPE), k_hi_t.to(DOT_DTYPE)
+        k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base, t_rows,
+                                             row_r, row_mask, R * G * N, G * N, H * RD, offs_half, half_mask,
+                                             N, RD, DOT_DTYPE, TRANSPOSED=True)
         _, da_rev, _, trap_scale = load_token_weights(
             da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
         # exp(da_cs_rev) decays each token to its chunk's end; it weighs psiv rows, not k~.  One product over

@@ -85,7 +85,8 @@ class ScanConfig:
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
     loads per step, storing the state entering each (1: one chunk a step).
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
-    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice at R = 1).
+    per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
+    Z, and with Z at R = 1).
     """
 
     block_p: int
@@ -218,11 +219,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     chunks_per_program = 1
     out_max_registers = 0
     gate_tokens = ScanConfig.gate_tokens
-    # chunk_scan applies the gate itself (no raw_y scratch, no gate_grads launch) only at R = 1: sweep of 176994b
-    # (2026-12-04_h200_sweep_176994b.json, graph us, split -> gate in chunk_scan): N128_P64_R1_C64 180 -> 172;
-    # it loses from R = 2 on, where chunk_scan's gate math outgrows what gate_grads took (R2_C32 254 -> 258,
-    # N128_P64_R4_C16 447 -> 458, R8_C8 916 -> 966, N64_P128 628 -> 656, N128_P128 928 -> 969).
-    gate_in_scan = bool(split_gate and R == 1)
+    # chunk_scan applies the gate itself (no raw_y scratch, no gate_grads launch) without Z, and with Z at R = 1.
+    # Sweep of 176994b with Z (2026-12-04_h200_sweep_176994b.json, graph us, split -> gate in chunk_scan):
+    # N128_P64_R1_C64 180 -> 172; from R = 2 on the SiLU gate's math in chunk_scan outgrows what gate_grads
+    # took (R2_C32 254 -> 258, N128_P64_R4_C16 447 -> 458, R8_C8 916 -> 966, N64_P128 628 -> 656, N128_P128
+    # 928 -> 969).  Sweep of 81153fe without Z (2026-12-04_h200_sweep_noz_81153fe.json): it wins on every
+    # split shape, the dPhi sums costing chunk_scan almost nothing (N128_P64_R4_C16 439 -> 401, N64_P128
+    # 592 -> 497, N128_P128 929 -> 836, N256 1041 -> 967, N128_P32 388 -> 381, R8_C8 829 -> 814, R2_C32
+    # 247 -> 228, R1_C64 166 -> 154).
+    gate_in_scan = bool(split_gate and (R == 1 or not has_z))
     if split_gate:
         # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
         # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
