@@ -9,6 +9,7 @@ the other implementation, so a run that silently computes nothing fails too.
     python benchmarks/sanitize_driver.py [--list] [NAME_SUBSTRING]
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -47,6 +48,10 @@ SPLIT_SCAN_N64 = ScanConfig(block_p=64, n_segments=3, block_half=32, out_block_p
                             local_states=True, split_gate=True, out_max_registers=168)
 SPLIT_SCAN_N128 = ScanConfig(block_p=64, n_segments=3, block_half=32, out_block_p=128, out_num_warps=4,
                              out_span_chunks=2, end_span_chunks=2, split_gate=True, out_max_registers=168)
+# chunk_scan applying the gate itself (gate_in_scan, the dispatcher's choice without Z and at R = 1): a partial
+# second P tile with Z, spans of 2 chunks of 8 over a 128-wide P tile without Z, and R = 1 with Z.
+SPLIT_GATE_IN_SCAN = dataclasses.replace(SPLIT_P_TILES, out_max_registers=168, gate_in_scan=True)
+SPLIT_GATE_IN_SCAN_SPANS = dataclasses.replace(SPLIT_SPANS, out_max_registers=168, gate_in_scan=True)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -82,6 +87,12 @@ CASES = [
      dict(B=1, S=96, H=2, G=1, N=64, P=128, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("production-split-scan-n128", "production", SPLIT_SCAN_N128,
      dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
+    ("production-split-gate-in-scan-z", "production", SPLIT_GATE_IN_SCAN,
+     dict(B=1, S=80, H=2, G=1, N=128, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-gate-in-scan-noz", "production", SPLIT_GATE_IN_SCAN_SPANS,
+     dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=False, d=True)),
+    ("production-split-gate-in-scan-r1", "production", SPLIT_GATE_IN_SCAN,
+     dict(B=1, S=150, H=2, G=1, N=128, P=64, R=1, chunk_size=64, dtype=F32, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,
