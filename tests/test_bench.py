@@ -70,7 +70,7 @@ def test_sweep_of_the_output_stage_starts_from_the_dispatchers_config_for_it():
     assert fused == [choose_config(**SHAPE, split_gate=False)]
     assert {dataclasses.replace(c, gate_tokens=1) for c in split} == {
         dataclasses.replace(choose_config(**SHAPE, split_gate=True), gate_tokens=1)}
-    assert sorted(c.gate_tokens for c in split) == [32, 64, 128, 256]
+    assert sorted(c.gate_tokens for c in split) == [32, 64, 128, 256, 512]
 
 
 @pytest.mark.parametrize("N,P,has_z,split", [(16, 64, True, True), (16, 64, False, False), (64, 64, False, False),
