@@ -190,7 +190,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
     """Candidate production configs: the dispatcher's choice and one knob moved at a time.
 
     ``knob_names``: the ScanConfig fields to move (default: every knob below); a name of the form
-    ``a+b`` moves a and b together (every pair of their values).  Moving ``split_gate`` starts from the
+    ``a+b`` moves a and b together (every pair of their values), and ``a=1:3`` gives a's values in that
+    group (in place of its list below).  Moving ``split_gate`` starts from the
     dispatcher's config for that output stage (its warps, register cap and state schedule).
     """
     import dataclasses
@@ -221,15 +222,12 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         state_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         gate_in_scan=[False, True],
     )
-    groups = [(name,) for name in knobs]
+    groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:
-        groups = [tuple(name.split("+")) for name in knob_names]
-        unknown = {name for group in groups for name in group} - set(knobs)
-        if unknown:
-            raise ValueError(f"unknown sweep knobs {sorted(unknown)}; known: {sorted(knobs)}")
+        groups = [dict(_knob_group(joined, knobs)) for joined in knob_names]
     candidates = {chosen}
     for group in groups:
-        for values in itertools.product(*(knobs[name] for name in group)):
+        for values in itertools.product(*group.values()):
             overrides = dict(zip(group, values))
             base = chosen
             if "split_gate" in overrides:
@@ -251,6 +249,23 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
             candidates.add(candidate)
     order = [f.name for f in dataclasses.fields(ScanConfig)]
     return chosen, sorted(candidates, key=lambda c: tuple(getattr(c, f) for f in order))
+
+
+def _knob_group(joined, knobs):
+    """(name, values) of each knob of ``a+b=v1:v2``: the values given (integers; 0 / 1 for the switches),
+    else the knob's own list."""
+    for item in joined.split("+"):
+        name, _, given = item.partition("=")
+        if name not in knobs:
+            raise ValueError(f"unknown sweep knobs {[name]}; known: {sorted(knobs)}")
+        if not given:
+            yield name, knobs[name]
+            continue
+        try:
+            values = [int(v) for v in given.split(":")]
+        except ValueError:
+            raise ValueError(f"sweep knob {name}: expected integer values separated by ':', got {given!r}") from None
+        yield name, [bool(v) for v in values] if all(isinstance(v, bool) for v in knobs[name]) else values
 
 
 def kernel_breakdown(inputs, impl, output_dtype, config=None, calls=5):
@@ -430,7 +445,8 @@ def main(argv=None):
     parser.add_argument("--G", type=int, default=1)
     parser.add_argument("--input-sets", type=int, default=3, help="input sets cycled through (L2 defeat)")
     parser.add_argument("--sweep", action="store_true", help="time candidate production configs")
-    parser.add_argument("--knobs", help="with --sweep: comma-separated ScanConfig fields to move (default: all)")
+    parser.add_argument("--knobs", help="with --sweep: comma-separated ScanConfig fields to move (default: all); "
+                        "a+b moves two together, a=1:3 gives a's values")
     parser.add_argument("--breakdown", action="store_true", help="also report device time per kernel")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="draw the chart here")

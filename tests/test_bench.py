@@ -122,3 +122,13 @@ def test_sweep_at_one_rank_offers_gate_grads_with_its_token_range():
     tokens = gate_tokens_per_program(B=4, H=16, S=2048, R=1, P=64, num_sms=132)
     assert split == [dataclasses.replace(chosen, gate_in_scan=False, gate_tokens=tokens)]
     assert tokens != ScanConfig.gate_tokens
+
+
+def test_sweep_takes_explicit_knob_values():
+    chosen, configs = sweep_configs(**SHAPE, knob_names=["n_segments=3:6", "block_half=16+n_segments=5",
+                                                         "gate_in_scan=1"])
+    assert {(c.block_half, c.n_segments) for c in configs if _moved(c, chosen) <= {"block_half", "n_segments"}} == {
+        (chosen.block_half, chosen.n_segments), (chosen.block_half, 3), (chosen.block_half, 6), (16, 5)}
+    assert [c.gate_in_scan for c in configs if "gate_in_scan" in _moved(c, chosen)] == [True]
+    with pytest.raises(ValueError, match="integer values"):
+        sweep_configs(**SHAPE, knob_names=["n_segments=three"])
