@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mamba3_mimo.bench import geomean, parse_case, sweep_configs
-from mamba3_mimo.ops.production import ScanConfig, choose_config, gate_tokens_per_program
+from mamba3_mimo.ops.production import RESIDENT_SCAN_PROGRAMS, ScanConfig, choose_config, gate_tokens_per_program
 
 SHAPE = dict(B=4, S=2048, H=16, N=64, P=128, R=4, chunk_size=16, num_sms=132)
 
@@ -91,6 +91,19 @@ def test_dispatcher_state_spans(N, P, R, C, state_span):
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132)
     assert config.state_span_chunks == state_span
     assert state_span == 1 or config.out_span_chunks >= state_span
+
+
+@pytest.mark.parametrize("N,P,R,C,has_z,segments", [
+    (64, 64, 4, 16, True, 3), (64, 128, 4, 16, False, 3), (32, 64, 4, 16, True, 4), (16, 64, 4, 8, True, 4),
+    (128, 64, 4, 16, True, 4), (128, 32, 4, 16, False, 4), (128, 64, 1, 64, True, 4)])
+def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segments):
+    """The one-pass scan takes as many segments as leave every program resident at once (sweeps of 4b8eeb1:
+    3 segments at N64, where 4 spilled into a second wave; 4 at N <= 32 and N = 128, where 5-8 lose)."""
+    config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132, has_z=has_z)
+    assert config.local_states and config.n_segments == segments
+    tiles = -(-N // 2 // config.block_half) * -(-P // config.block_p)
+    resident = RESIDENT_SCAN_PROGRAMS[config.block_half] * 132
+    assert segments * 64 * tiles <= resident < (segments + 1) * 64 * tiles
 
 
 def test_sweep_of_gate_in_scan():

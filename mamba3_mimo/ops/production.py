@@ -47,6 +47,9 @@ from .token_tables import token_tables
 # registers, 2 CTAs fit), which gives 8 segments at N128_P64 (4: 671 us, 8: 640, 16: 723).
 SCAN_PROGRAMS_PER_SM = 4
 WIDE_TILE_PROGRAMS_PER_SM = 2
+# Scan programs one SM holds at once (4 warps, registers as compiled for sm_90 by benchmarks/aot_report.py):
+# [2 x 64, <= 64] state tiles 238-255 registers, 2; [2 x 32, <= 64] 168, 3; [2 x 16, 32] ~100, 4.
+RESIDENT_SCAN_PROGRAMS = {64: 2, 32: 3, 16: 4}
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -172,8 +175,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # N128_P64_R2_C32 404 -> 394.  It loses where the output kernel is short of registers: spans of
     # chunks (N16_P64_R4_C8 356 -> 364 at best, N256_P64_R4_C8 1077 -> 1092, N128_P128_R4_C8
     # 1107 -> 1125 at best: spills) and two ranks per step (N128_P64_R8_C8 1308 -> 1724: 168 output
-    # registers instead of 128).  The single pass wants about one wave of scan programs: half the
-    # segments, at least 4.
+    # registers instead of 128).  Its segment count is set below.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
     # The split output stage (chunk_scan + gate_grads, docs/optimization.md sections 15-16) everywhere: with
     # gate_grads over token ranges it won on all 11 official shapes (sweep of 1de1006, graph us, fused ->
@@ -206,7 +208,14 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # second scan pass: N256_P64_R4_C8 901 -> 986 (chunk_scan 333 -> 566), N128_P128_R4_C8 918 -> 1060.
         local_states = N * out_block_p <= 128 * 64
     if local_states:
-        want_segments = max(min(want_segments, 4), want_segments // 2)
+        # The single pass wants one wave of scan programs: every program resident from the start, as many
+        # segments as fill the SMs' slots and no more (a partial second wave doubles the serial chain of the
+        # SMs it lands on).  Sweeps of 4b8eeb1 (2026-12-04_h200_sweep_4b8eeb1*.json, graph us, 4 -> 3 segments
+        # where the 168-register scan holds 3 programs an SM): N64_P64_R4_C16 434 -> 398 (scan 153 -> 110),
+        # N64_P128_R4_C16 622 -> 565; without Z 356 -> 309, 468 -> 419.  Where 4 segments are one wave (N16,
+        # N32, the N = 128 shapes) 5, 6 or 8 lose or tie (N32 310 -> 342 / 334 / 321).
+        resident = RESIDENT_SCAN_PROGRAMS.get(block_half, 2) * num_sms
+        want_segments = max(1, resident // (B * H * tiles))
     # The scan that stores ``states`` takes a span of short chunks a step where its state tile is narrow (N <= 64):
     # sweep of 5f4cfc7 (2026-12-04_h200_sweep_5f4cfc7.json, graph us, 1 -> 2 chunks a step): N16_P64_R4_C8
     # 323 -> 297 (state scan 98 -> 73; 4 chunks: 344); 128-row steps lose or tie (N32_P64_R4_C16 290 -> 324,
