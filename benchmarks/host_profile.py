@@ -5,8 +5,9 @@
 Prints, for one process:
 - the host time per call (launches are asynchronous, so the time a call takes to return is its host
   work while the GPU keeps up), and the time per call of back-to-back calls;
-- the same host time with every launch through Triton's JIT (MAMBA3_MIMO_JIT_LAUNCH=1) and with the
-  validation cache cleared before each call, for comparison with ops/launch.py and api.validate's cache;
+- the same host time with every launch through Triton's JIT (MAMBA3_MIMO_JIT_LAUNCH=1), without launch
+  plans (every launch builds its full key) and with the validation cache cleared before each call, for
+  comparison with ops/launch.py and api.validate's cache;
 - the phases of a call, by wrapping the functions that api.bwd_fwd and production_bwd_fwd call;
 - every Triton launch of one call replayed three ways: through the JIT (`kernel[grid](...)`), the JIT's
   argument binder alone, and the compiled kernel's launcher called directly (what ops/launch.py does);
@@ -65,10 +66,17 @@ def print_host_per_call(label, call, calls):
         api._VALIDATED.clear()
         return call()
     jit_us = with_jit_launches(lambda: median_us(call, calls))
+    plan_key = api.launch_plan_key
+    api.launch_plan_key = lambda *args: None
+    try:
+        no_plan_us = median_us(call, calls)
+    finally:
+        api.launch_plan_key = plan_key
     p10, p90 = host[len(host) // 10] * 1e6, host[9 * len(host) // 10] * 1e6
     print(f"{label}: host per call median {statistics.median(host) * 1e6:.0f} us (p10 {p10:.0f}, p90 {p90:.0f}); "
           f"back-to-back {back_to_back * 1e6:.0f} us per call; "
-          f"through the JIT {jit_us:.0f} us, without the validation cache {median_us(uncached, calls):.0f} us")
+          f"through the JIT {jit_us:.0f} us, without launch plans {no_plan_us:.0f} us, "
+          f"without the validation cache {median_us(uncached, calls):.0f} us")
 
 
 def print_phases(call, calls):
@@ -89,7 +97,7 @@ def print_phases(call, calls):
         return original
 
     restore = []
-    for module, names in ((api, ("validate", "production_bwd_fwd", "dot_operands", "_contiguous")),
+    for module, names in ((api, ("_validate", "launch_plan_key", "production_bwd_fwd", "dot_operands", "_contiguous")),
                           (production, ("choose_config", "token_tables", "chunk_local_states", "segment_entry_states",
                                         "chunk_states", "segment_end_states", "chunk_scan", "gate_grads",
                                         "chunk_output", "sum_group_partials"))):

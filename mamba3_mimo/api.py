@@ -12,6 +12,7 @@ import torch
 import triton.language as tl
 
 from .ops.host_utils import cdiv, next_power_of_2
+from .ops.launch import LaunchPlan
 from .ops.production import production_bwd_fwd
 from .ops.stage0 import stage0_bwd_fwd
 
@@ -82,6 +83,14 @@ MAX_VALIDATED = 1024
 def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
              mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype):
     """Check every constraint of SPEC section 5; return the problem sizes."""
+    return _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
+                     mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype)[0]
+
+
+def _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
+              mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype):
+    """``validate``, and the call's signature (every tensor's shape, dtype and device, the ints and the output
+    dtype: a hashable), or None where it does not hash."""
     required = (dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum)
     optional = (mimo_z, d, z)
     key = None
@@ -96,14 +105,14 @@ def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs
         except TypeError:  # symbolic sizes (torch.compile's fake tensors) do not hash: check every time
             key, problem = None, None
         if problem is not None:
-            return problem
+            return problem, key
     problem = _check_problem(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap,
                              segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype)
     if key is not None:
         if len(_VALIDATED) >= MAX_VALIDATED:
             _VALIDATED.clear()
         _VALIDATED[key] = problem
-    return problem
+    return problem, key
 
 
 def _check_problem(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
@@ -227,14 +236,26 @@ def _contiguous(x, dtype=None):
     return x.contiguous()
 
 
+def launch_plan_key(signature, impl, config, passed):
+    """Key of a call's launches (ops/launch.py ``LaunchPlan``), or None without a signature.
+
+    Every launch follows from the call's signature (shapes, dtypes, devices, ints), the implementation, the
+    config and the 16-byte alignment of the tensors the kernels get (``passed``, None where absent); the
+    outputs and scratch are fresh allocations, always aligned.
+    """
+    if signature is None:
+        return None
+    return signature, impl, config, tuple(x is not None and x.data_ptr() % 16 == 0 for x in passed)
+
+
 def bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
             mimo_z=None, d=None, z=None, chunk_size=16, rotary_dim_divisor=4, output_dtype=torch.float32,
             impl="production", config=None):
     """``mamba3_mimo_bwd_fwd_kernel`` with a choice of implementation ("production" or "stage0")."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl: expected one of {IMPLEMENTATIONS}, got {impl!r}")
-    prob = validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
-                    mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype)
+    prob, signature = _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap,
+                                segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype)
     B, S, H, R, N, P, nch = prob.B, prob.S, prob.H, prob.R, prob.N, prob.P, prob.nch
     f32 = torch.float32
     activations = [x.dtype for x in (dout, q, k, v, z) if x is not None]
@@ -259,12 +280,14 @@ def bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_
         for x in outputs.values():
             if x is not None:
                 x.fill_(float("nan"))
-    with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
+    segsum = _contiguous(segsum, f32) if impl == "stage0" else None  # the production kernels derive it
+    plan_key = launch_plan_key(signature, impl, config, (*tensors.values(), segsum)) if q.is_cuda else None
+    with torch.cuda.device(q.device) if q.is_cuda else nullcontext(), LaunchPlan(plan_key):
         if impl == "production":
             production_bwd_fwd(**tensors, **outputs, chunk_size=chunk_size, dot_dtype=dot_dtype,
                                dot_precision=dot_precision, config=config)
         else:
-            stage0_bwd_fwd(**tensors, **outputs, segsum=_contiguous(segsum, f32), chunk_size=chunk_size,
+            stage0_bwd_fwd(**tensors, **outputs, segsum=segsum, chunk_size=chunk_size,
                            dot_dtype=dot_dtype, dot_precision=dot_precision)
     results = tuple(outputs[name] for name in ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz"))
     if kernel_dtype != output_dtype:

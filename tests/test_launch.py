@@ -76,3 +76,60 @@ def test_cached_launch_matches_jit_and_respecializes():
     torch.testing.assert_close(gamma.double(), want_gamma, atol=1e-6, rtol=1e-5)  # dt < 0 is fine here
     torch.testing.assert_close(cos_angles.double(), angles.double().cos(), atol=2e-6, rtol=0)
     torch.testing.assert_close(sin_angles.double(), angles.double().sin(), atol=2e-6, rtol=0)
+
+
+def test_plan_key_separates_alignment_config_and_implementation():
+    from mamba3_mimo.api import launch_plan_key
+    from mamba3_mimo.ops.production import ScanConfig
+
+    x = torch.zeros(64)
+    signature = (((64,), torch.float32),)
+    aligned = launch_plan_key(signature, "production", None, (x, None, x[4:]))
+    assert aligned == launch_plan_key(signature, "production", None, (x[8:], None, x))
+    assert aligned != launch_plan_key(signature, "production", None, (x, None, x[1:]))
+    assert aligned != launch_plan_key(signature, "production", None, (x, x, x))  # an optional tensor given
+    assert aligned != launch_plan_key(signature, "stage0", None, (x, None, x))
+    assert aligned != launch_plan_key(signature, "production", ScanConfig(block_p=16, n_segments=1), (x, None, x))
+    assert launch_plan_key(None, "production", None, (x,)) is None  # unhashable signature: no plan
+
+
+@requires_cuda
+def test_launch_plan_replays_the_first_calls_kernels(monkeypatch):
+    """A second call with the same signature replays the plan's kernels (no new slots), bitwise equal to the
+    first call and to the JIT's launches; a misaligned input makes a new plan whose results match; the plan
+    check catches a slot that holds a kernel its full key does not select."""
+    from mamba3_mimo.api import bwd_fwd
+    from mamba3_mimo.inputs import make_inputs
+
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")
+    monkeypatch.setattr(launch_module, "_plan_slots", {})  # every slot below is this test's
+    inputs = make_inputs(B=1, S=96, H=2, N=32, P=32, R=2, chunk_size=16, device="cuda",
+                         seed=seed_for("launch_plan"))
+    first = bwd_fwd(**inputs, output_dtype=torch.float32)
+    slots = dict(launch_module._plan_slots)
+    second = bwd_fwd(**inputs, output_dtype=torch.float32)
+    assert launch_module._plan_slots == slots and len(slots) >= 5
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
+    through_jit = bwd_fwd(**inputs, output_dtype=torch.float32)
+    monkeypatch.delenv("MAMBA3_MIMO_JIT_LAUNCH")
+    for a, b, c in zip(first, second, through_jit):
+        assert a is None or (torch.equal(a, b) and torch.equal(a, c))
+
+    buffer = torch.empty(inputs["v"].numel() + 1, device="cuda", dtype=inputs["v"].dtype)
+    shifted = buffer[1:].view(inputs["v"].shape)
+    shifted.copy_(inputs["v"])
+    assert shifted.data_ptr() % 16 != 0
+    misaligned = bwd_fwd(**dict(inputs, v=shifted), output_dtype=torch.float32)
+    assert len(launch_module._plan_slots) > len(slots)
+    for a, b in zip(first, misaligned):
+        assert a is None or torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    # Swap the first two slots of the aligned plan (two different kernels): a replay must notice.
+    (key,) = {slot[0] for slot in slots}
+    (k0, *entry0), (_, *entry1) = slots[(key, 0)], slots[(key, 1)]
+    launch_module._plan_slots[(key, 0)] = (k0, *entry1)
+    try:
+        with pytest.raises(AssertionError, match="launch plan"):
+            bwd_fwd(**inputs, output_dtype=torch.float32)
+    finally:
+        launch_module._plan_slots[(key, 0)] = (k0, *entry0)
