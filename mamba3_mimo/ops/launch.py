@@ -12,7 +12,8 @@ alignment, each other argument's value, the keyword constexprs and launch option
 call Triton would compile differently therefore misses and goes through the JIT, which compiles (or
 finds) and launches it; its compiled kernel is kept for the next call with the same key.
 
-Building that key is itself ~0.3 us an argument (10-20 us for the 34-49 arguments of the scan kernels).
+Building that key is itself 0.1-0.3 us an argument (about 5 us a launch on the H200 machine, where a call
+took 24-30 us less without it: benchmarks/results/2026-12-04_h200_host_3162298.log).
 Inside ``with LaunchPlan(key):`` the i-th launch instead looks up (key, i): a call whose ``key`` determines
 every launch it makes (which kernels, in which order, with which specializations) replays the compiled
 kernels the first such call used.  ``api.bwd_fwd`` keys a call by its validated signature (shapes, dtypes,
