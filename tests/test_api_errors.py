@@ -321,6 +321,8 @@ def test_batch_element_beyond_int32_is_refused(no_launch, entry):
     (dict(block_p=32, n_segments=2, out_block_p=8), "out_block_p"),
     (dict(block_p=32, n_segments=2, chunks_per_program=0), "chunks_per_program"),
     (dict(block_p=32, n_segments=2, out_num_warps=6), "out_num_warps"),
+    (dict(block_p=32, n_segments=2, out_max_registers=300), "out_max_registers"),
+    (dict(block_p=32, n_segments=2, scan_max_registers=16), "scan_max_registers"),
 ])
 def test_bad_scan_config_is_refused(fields, match):
     from mamba3_mimo.ops.production import ScanConfig

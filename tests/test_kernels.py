@@ -141,6 +141,7 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, chunks_per_program=3),
     ScanConfig(block_p=16, n_segments=5, out_block_p=16, chunks_per_program=4, num_warps=2, out_num_warps=4),
     ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8),
+    ScanConfig(block_p=32, n_segments=3, block_half=32, out_block_p=32, scan_max_registers=168),  # a capped scan
 ]
 
 

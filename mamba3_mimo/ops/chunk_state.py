@@ -154,7 +154,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
 
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
-            num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1):
+            num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1, max_registers=0):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
@@ -169,6 +169,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=num_warps, num_stages=1,
+        **({'maxnreg': max_registers} if max_registers else {}),
     )
 
 
@@ -185,7 +186,8 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
         k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
         fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
-        dot_dtype, dot_precision, num_warps; chunks_per_segment must be a multiple of span_chunks.
+        dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's
+        choice); chunks_per_segment must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

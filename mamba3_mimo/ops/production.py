@@ -87,6 +87,8 @@ class ScanConfig:
     gate_tokens: tokens one ``gate_grads`` program walks (split_gate only).
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
     loads per step, storing the state entering each (1: one chunk a step).
+    scan_max_registers: register cap per thread of the state scans (0: the compiler's choice); at 168 an SM
+    holds three 4-warp scan programs instead of two where the compiler takes 255 (the 64-wide tiles).
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
     Z, and with Z at R = 1).
@@ -108,6 +110,7 @@ class ScanConfig:
     gate_tokens: int = 64
     state_span_chunks: int = 1
     gate_in_scan: bool = False
+    scan_max_registers: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -117,8 +120,9 @@ class ScanConfig:
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.out_max_registers and not 24 <= self.out_max_registers <= 255:
-            raise ValueError(f"ScanConfig.out_max_registers must be 0 or in 24..255, got {self.out_max_registers}")
+        for name in ("out_max_registers", "scan_max_registers"):
+            if getattr(self, name) and not 24 <= getattr(self, name) <= 255:
+                raise ValueError(f"ScanConfig.{name} must be 0 or in 24..255, got {getattr(self, name)}")
         if self.gate_tokens < 1:
             raise ValueError(f"ScanConfig.gate_tokens must be >= 1, got {self.gate_tokens}")
         if self.chunks_per_program < 1:
@@ -294,7 +298,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps)
+                dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
