@@ -42,9 +42,11 @@ from .host_utils import cdiv, next_power_of_2
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
 
-# Programs per SM the serial state scans aim for: their chunk loop is latency-bound.  Four with
-# [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two with [2 x 64, 64] tiles (254
-# registers, 2 CTAs fit), which gives 8 segments at N128_P64 (4: 671 us, 8: 640, 16: 723).
+# Programs per SM the two-pass schedule's scans aim for (then rounded up to a power of two of segments):
+# their chunk loop is latency-bound.  Four with [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two
+# with [2 x 64, 64] tiles (254 registers, 2 CTAs fit), which gave 8 segments at N128_P64 (4: 671 us, 8: 640,
+# 16: 723).  The local-state schedule sizes its one pass by RESIDENT_SCAN_PROGRAMS instead; moving the
+# two-pass rule onto it (N128_P128 would take 1 segment, 957 against 917 us) was not measured to pay.
 SCAN_PROGRAMS_PER_SM = 4
 WIDE_TILE_PROGRAMS_PER_SM = 2
 # Scan programs one SM holds at once (4 warps, registers as compiled for sm_90 by benchmarks/aot_report.py):
