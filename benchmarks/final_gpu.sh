@@ -18,7 +18,8 @@ PARTS="${PARTS:-tests grids unit sanitize bench noz}"
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
-# The tests check every replayed launch of a launch plan against its full key (ops/launch.py).
+# The tests run every call's wrappers and check its launches against its launch plan (ops/launch.py); the
+# replay itself runs in tests/test_launch.py, the sanitizer's driver and the benchmark.
 export MAMBA3_MIMO_CHECK_PLAN=1
 want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings \
   tests/test_kernels.py -k "(test_official_grid and not fused) or test_production_split_gate or \
@@ -29,7 +30,7 @@ want grids && { timeout ${GRIDS_TIMEOUT:-150} python3 -m pytest -q -p no:warning
 want unit && { timeout ${UNIT_TIMEOUT:-150} python3 -m pytest -q -p no:warnings -rf tests/test_launch.py \
   tests/test_stage_kernels.py tests/test_api_errors.py tests/test_robustness.py tests/test_triton_utils.py 2>&1 \
   | tail -n 8 | tee -a "$OUT/tests.log" || status=1; }
-want sanitize && { SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-90} \
+want sanitize && { MAMBA3_MIMO_CHECK_PLAN=0 SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-90} \
   bash benchmarks/sanitize.sh memcheck 2>&1 | tail -n 12 | tee "$OUT/sanitize.log" || status=1; }
 want bench && { MAMBA3_MIMO_CHECK_PLAN=0 timeout ${BENCH_TIMEOUT:-250} python3 -m mamba3_mimo.bench --impl "${BENCH_IMPL:-production,stage0}" \
   --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" 2>&1 | tail -n 17 || status=1; }

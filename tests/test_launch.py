@@ -133,3 +133,124 @@ def test_launch_plan_replays_the_first_calls_kernels(monkeypatch):
             bwd_fwd(**inputs, output_dtype=torch.float32)
     finally:
         launch_module._plan_slots[(key, 0)] = (k0, *entry0)
+
+
+class _FakeCompiled:
+    """Stands in for a compiled kernel in the recording tests: only its identity matters."""
+
+
+def _record_one(roots, kernel, args, trailing=(16, True)):
+    record = launch_module._CallRecord(roots)
+    record.add(kernel, trailing, (3, 2), 0, args)
+    return record
+
+
+def test_call_record_describes_roots_scratch_and_literals():
+    q, out = torch.zeros(64), torch.zeros(32)
+    scratch = torch.zeros(200)  # one allocation, two views: one region, two offsets
+    kernel = _FakeCompiled()
+    record = _record_one((q, None, out), kernel, (q, scratch[:100], 7, None, out, scratch[100:], 0.5))
+    assert record.replayable and record.scratch_bytes == 1024  # 800 bytes, rounded up to 512-byte blocks
+    (compiled, trailing, grid, literals, pointers), = record.launches
+    assert compiled is kernel and trailing == (16, True) and grid == (3, 2, 1)
+    assert literals == (None, None, 7, None, None, None, 0.5)
+    assert pointers == ((0, 0, 0), (1, -1, 0), (4, 2, 0), (5, -1, 400))
+
+    # Another call's tensors in the same places record the same launches; a kernel, literal or trailing
+    # constexpr that differs does not.
+    q2, out2, scratch2 = torch.zeros(64), torch.zeros(32), torch.zeros(200)
+    same = _record_one((q2, None, out2), kernel, (q2, scratch2[:100], 7, None, out2, scratch2[100:], 0.5))
+    assert record.same_launches(same)
+    roots2, low, high = (q2, None, out2), scratch2[:100], scratch2[100:]
+    for other in (_record_one(roots2, _FakeCompiled(), (q2, low, 7, None, out2, high, 0.5)),
+                  _record_one(roots2, kernel, (q2, low, 8, None, out2, high, 0.5)),
+                  _record_one(roots2, kernel, (out2, low, 7, None, q2, high, 0.5)),
+                  _record_one(roots2, kernel, (q2, low, 7, None, out2, high, 0.5), trailing=(32,))):
+        assert not record.same_launches(other)
+
+
+@pytest.mark.parametrize("case", ["root_view", "aliased_roots", "overlapping_scratch"])
+def test_call_record_refuses_what_it_cannot_replay(case):
+    q, out = torch.zeros(64), torch.zeros(32)
+    if case == "aliased_roots":  # one tensor passed twice: its launches could not tell the two apart
+        assert not launch_module._CallRecord((q, q, out)).replayable
+        return
+    record = launch_module._CallRecord((q, out))
+    block = torch.zeros(256)
+    if case == "root_view":  # a view of a root is not the root: not described by identity
+        record.add(_FakeCompiled(), (), (1,), 0, (q[8:],))
+    else:  # a storage that overlaps a region seen before without being it would not fit the flat layout
+        record.scratch[(block.untyped_storage().data_ptr() + 4, 16)] = 0
+        record.add(_FakeCompiled(), (), (1,), 0, (block,))
+    assert not record.replayable
+
+
+REPLAY_CASES = {
+    # the dispatcher's config (two passes of one segment at this length), Z and D on
+    "default-z": (dict(N=32, P=32, R=2, chunk_size=16, z=True, d=True), None),
+    # local states over three segments, two P tiles, the split stage with gate_grads
+    "local-split": (dict(N=64, P=64, R=4, chunk_size=16, z=True, d=True),
+                    dict(block_p=32, n_segments=3, block_half=32, out_block_p=64, out_num_warps=4, local_states=True,
+                         split_gate=True, out_max_registers=168)),
+    # two passes over two segments with spans of two chunks of 8, gate in chunk_scan, no Z
+    "two-pass-gate-in-scan": (dict(N=128, P=128, R=4, chunk_size=8, z=False, d=True),
+                              dict(block_p=64, n_segments=2, block_half=32, out_block_p=128, out_num_warps=4,
+                                   out_span_chunks=2, end_span_chunks=2, split_gate=True, gate_in_scan=True,
+                                   out_max_registers=168)),
+    # the fused output stage, R = 3
+    "fused": (dict(N=32, P=40, R=3, chunk_size=16, z=True, d=False),
+              dict(block_p=16, n_segments=2, out_block_p=32, split_gate=False)),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_call_replay_matches_the_jit(name, monkeypatch, poison_outputs):
+    """A second call with the same signature is replayed whole (no host wrapper runs) on other inputs, into
+    NaN-poisoned outputs, bitwise equal to the same call launched through Triton's JIT."""
+    from mamba3_mimo.api import bwd_fwd
+    from mamba3_mimo.inputs import make_inputs
+    from mamba3_mimo.ops.production import ScanConfig
+
+    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
+    monkeypatch.setattr(launch_module, "_calls", {})  # the first call below records
+    shape, fields = REPLAY_CASES[name]
+    config = None if fields is None else ScanConfig(**fields)
+    replays = []
+    run = launch_module._CallRecord.run
+    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+
+    def call(seed):
+        inputs = make_inputs(B=2, S=200, H=4, G=2, dtype=torch.bfloat16, device="cuda",
+                             seed=seed_for(f"replay_{name}_{seed}"), **shape)
+        return inputs, bwd_fwd(**inputs, output_dtype=torch.float32, config=config)
+
+    call(0)
+    inputs, replayed = call(1)
+    assert len(replays) == 1
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
+    through_jit = bwd_fwd(**inputs, output_dtype=torch.float32, config=config)
+    assert len(replays) == 1
+    for a, b in zip(replayed, through_jit):
+        assert (a is None) == (b is None)
+        assert a is None or (not a.isnan().any() and torch.equal(a, b))
+
+
+@requires_cuda
+def test_call_with_a_torch_copy_is_not_replayed(monkeypatch):
+    """fp32 inputs with bf16 outputs copy an fp32 state hand-off into ``states`` between the launches: such a
+    call must run its wrappers every time."""
+    from mamba3_mimo.api import bwd_fwd
+    from mamba3_mimo.inputs import make_inputs
+
+    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
+    replays = []
+    run = launch_module._CallRecord.run
+    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+    inputs = make_inputs(B=1, S=64, H=2, N=32, P=32, R=2, chunk_size=16, dtype=torch.float32, device="cuda",
+                         seed=seed_for("replay_handoff"))
+    first = bwd_fwd(**inputs, output_dtype=torch.bfloat16)
+    second = bwd_fwd(**inputs, output_dtype=torch.bfloat16)
+    assert not replays
+    for a, b in zip(first, second):
+        assert a is None or torch.equal(a, b)

@@ -17,8 +17,17 @@ took 24-30 us less without it: benchmarks/results/2026-12-04_h200_host_3162298.l
 Inside ``with LaunchPlan(key):`` the i-th launch instead looks up (key, i): a call whose ``key`` determines
 every launch it makes (which kernels, in which order, with which specializations) replays the compiled
 kernels the first such call used.  ``api.bwd_fwd`` keys a call by its validated signature (shapes, dtypes,
-devices), the alignment of every tensor it passes, the implementation and the config.  With
-``MAMBA3_MIMO_CHECK_PLAN=1`` every replayed launch is checked against the full key (the GPU tests set it).
+devices), the alignment of every tensor it passes, the implementation and the config.
+
+The host wrappers around those launches (allocations, views, tile arithmetic) still cost 150-300 us a call,
+above the device time of the small official shapes.  So a plan given the call's ``roots`` (every tensor its
+launches touch other than the scratch they allocate) records the whole call: each launch's compiled kernel,
+grid and arguments, tensors as (root, offset) or (scratch region, offset).  ``LaunchPlan.replay`` then makes
+the same launches for a later call with the same key, with that call's roots, one flat scratch allocation
+and device pointers passed as ints; the host wrappers do not run.  A call that does other device work
+between its launches calls ``forbid_replay``.  With ``MAMBA3_MIMO_CHECK_PLAN=1`` (the GPU tests set it)
+nothing is replayed: each call runs its wrappers, every slot's kernel is checked against its full key and
+every call's launches against the recorded ones.
 
 Everything goes through the JIT under the interpreter and for CPU tensors, while launch hooks are
 installed (profilers such as proton read them), and with ``MAMBA3_MIMO_JIT_LAUNCH=1`` in the environment.
@@ -40,28 +49,137 @@ _compiled = {}
 _trailing_names = {}
 # (plan key, ordinal) -> (kernel, compiled, trailing) of the launch a plan made at that position.
 _plan_slots = {}
+# plan key -> _CallRecord: every launch of the first whole call made under that key.
+_calls = {}
 _active_plan = contextvars.ContextVar("mamba3_mimo_launch_plan", default=None)
+
+
+def _check_plans():
+    return os.environ.get("MAMBA3_MIMO_CHECK_PLAN") == "1"
 
 
 class LaunchPlan:
     """Context in which launches are looked up by (key, position in the block), see the module docstring.
 
     ``key``: hashable, and it must determine every launch the block makes; None turns the plan off.
+    ``roots``: with them the block is a whole call that ``replay`` may stand in for: the tensors (or None)
+    its launches read and write other than scratch it allocates, always in the same order.
     """
 
-    __slots__ = ("key", "ordinal", "_token")
+    __slots__ = ("key", "ordinal", "roots", "recording", "_token")
 
-    def __init__(self, key):
+    def __init__(self, key, roots=None):
         self.key = key
         self.ordinal = 0
+        self.roots = roots
+        self.recording = None
 
     def __enter__(self):
         self._token = _active_plan.set(self if self.key is not None else None)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         _active_plan.reset(self._token)
+        record, self.recording = self.recording, None
+        if exc_type is None and record is not None and record.replayable:
+            known = _calls.get(self.key)
+            if known is None:
+                if len(_calls) >= MAX_ENTRIES:
+                    _calls.clear()
+                _calls[self.key] = record
+            elif not known.same_launches(record):
+                raise AssertionError("launch plan: a call made other launches than the recorded call of its key")
         return False
+
+    def replay(self):
+        """Launch the recorded call of this key with this call's roots; False where there is none (then the
+        caller runs its own launches, recorded for the next call).  With MAMBA3_MIMO_CHECK_PLAN=1 it never
+        replays: the call runs its launches and they are checked against the recorded ones on exit."""
+        if self.key is None or self.roots is None or _jit_only():
+            return False
+        known = _calls.get(self.key)
+        if known is not None and not _check_plans():
+            known.run(self.roots)
+            return True
+        self.recording = _CallRecord(self.roots)
+        return False
+
+
+def forbid_replay():
+    """The running call does device work other than ``launch`` (a torch op): it must not be replayed."""
+    plan = _active_plan.get()
+    if plan is not None and plan.recording is not None:
+        plan.recording.replayable = False
+
+
+class _CallRecord:
+    """The launches of one call: compiled kernel, grid, and each argument as a literal, a root (by identity)
+    plus a byte offset, or a scratch allocation of the call plus a byte offset.  ``run`` makes them again
+    with another call's roots and one fresh scratch allocation, passing device pointers as ints."""
+
+    SCRATCH_ALIGN = 512
+
+    def __init__(self, roots):
+        live = [x for x in roots if x is not None]
+        self.root_index = {id(x): i for i, x in enumerate(roots) if x is not None}
+        self.root_storages = {x.untyped_storage().data_ptr() for x in live}
+        # Two roots that are one tensor would record one index for both: such a call is not recorded.
+        self.replayable = len(self.root_index) == len(live)
+        self.scratch = {}  # (storage base, nbytes) -> byte offset of that region in the flat scratch buffer
+        self.scratch_bytes = 0
+        self.device = None
+        self.launches = []
+
+    def add(self, compiled, trailing, grid, device, args):
+        self.device = device
+        literals = list(args)
+        pointers = []  # (position, root index or -1 for scratch, byte offset)
+        for pos, arg in enumerate(args):
+            if not isinstance(arg, torch.Tensor):
+                continue
+            literals[pos] = None
+            root = self.root_index.get(id(arg))
+            if root is not None:
+                pointers.append((pos, root, 0))
+                continue
+            storage = arg.untyped_storage()
+            region = storage.data_ptr(), storage.nbytes()
+            if region[0] in self.root_storages:  # a view of a root: not described by identity
+                self.replayable = False
+                return
+            if region not in self.scratch:
+                # A block the allocator handed out again (its first tensor freed within the call) keeps its one
+                # region; any other overlap would not fit the flat layout.
+                if any(base < region[0] + region[1] and region[0] < base + size for base, size in self.scratch):
+                    self.replayable = False
+                    return
+                self.scratch[region] = self.scratch_bytes
+                self.scratch_bytes += -(-region[1] // self.SCRATCH_ALIGN) * self.SCRATCH_ALIGN
+            pointers.append((pos, -1, self.scratch[region] + arg.data_ptr() - region[0]))
+        grid_xyz = tuple(grid) + (1,) * (3 - len(grid))
+        self.launches.append((compiled, trailing, grid_xyz, tuple(literals), tuple(pointers)))
+
+    def same_launches(self, other):
+        return self.scratch_bytes == other.scratch_bytes and len(self.launches) == len(other.launches) and all(
+            a[0] is b[0] and a[1:] == b[1:] for a, b in zip(self.launches, other.launches))
+
+    def run(self, roots):
+        root_ptrs = [0 if x is None else x.data_ptr() for x in roots]
+        scratch = None
+        scratch_ptr = 0
+        if self.scratch_bytes:
+            scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=torch.device("cuda", self.device))
+            scratch_ptr = scratch.data_ptr()
+        stream = driver.active.get_current_stream(self.device)
+        for compiled, trailing, grid_xyz, literals, pointers in self.launches:
+            args = list(literals)
+            for pos, root, offset in pointers:
+                args[pos] = (scratch_ptr if root < 0 else root_ptrs[root]) + offset
+            compiled.run(*grid_xyz, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *trailing)
+        # The scratch goes back to the caching allocator now: stream-ordered, so only work queued after these
+        # launches can reuse it, as with the scratch tensors of a call that is not replayed.
+        del scratch
 
 
 def _spec(arg):
@@ -96,9 +214,11 @@ def launch(kernel, grid, *args, **kwargs):
         plan.ordinal += 1
         entry = _plan_slots.get(slot)
         if entry is not None and entry[0] is kernel:
-            if os.environ.get("MAMBA3_MIMO_CHECK_PLAN") == "1":
+            if _check_plans():
                 _check_plan_entry(entry, kernel, device, args, kwargs)
             _run(entry[1], entry[2], grid, device, args)
+            if plan.recording is not None:
+                plan.recording.add(entry[1], entry[2], grid, device, args)
             return
     key = (kernel, device, tuple(map(_spec, args)), tuple(kwargs.items()))
     cached = _compiled.get(key)
@@ -107,6 +227,7 @@ def launch(kernel, grid, *args, **kwargs):
         if len(_compiled) >= MAX_ENTRIES:
             _compiled.clear()
             _plan_slots.clear()
+            _calls.clear()
         cached = _compiled[key] = compiled, _trailing_args(kernel, len(args), kwargs)
     else:
         _run(*cached, grid, device, args)
@@ -114,6 +235,8 @@ def launch(kernel, grid, *args, **kwargs):
         if len(_plan_slots) >= MAX_ENTRIES:
             _plan_slots.clear()
         _plan_slots[slot] = (kernel, *cached)
+        if plan.recording is not None:
+            plan.recording.add(*cached, grid, device, args)
 
 
 def _run(compiled, trailing, grid, device, args):

@@ -39,6 +39,7 @@ from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
 from .host_utils import cdiv, next_power_of_2
+from .launch import forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
 
@@ -313,8 +314,10 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
                              chunks_per_segment=chunks_per_segment)
     else:
-        chunk_states(**scan, seg_state=segment_end_states(**scan, span_chunks=config.end_span_chunks), states=handoff,
-                     span_chunks=config.state_span_chunks)
+        # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
+        # twice within a call, which keeps a recorded call's scratch layout the same from call to call.
+        seg_end = segment_end_states(**scan, span_chunks=config.end_span_chunks)
+        chunk_states(**scan, seg_state=seg_end, states=handoff, span_chunks=config.state_span_chunks)
     output_stage = dict(
         q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
         d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
@@ -343,5 +346,6 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                    span_chunks=config.out_span_chunks, seg_entry=seg_entry,
                                    chunks_per_segment=chunks_per_segment)
     if handoff is not states:
+        forbid_replay()  # a torch copy between the launches: a call replay would miss it
         states.copy_(handoff)
     sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)
