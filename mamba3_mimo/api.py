@@ -239,9 +239,10 @@ def _contiguous(x, dtype=None):
 def launch_plan_key(signature, impl, config, passed):
     """Key of a call's launches (ops/launch.py ``LaunchPlan``), or None without a signature.
 
-    Every launch follows from the call's signature (shapes, dtypes, devices, ints), the implementation, the
-    config and the 16-byte alignment of the tensors the kernels get (``passed``, None where absent); the
-    outputs and scratch are fresh allocations, always aligned.
+    Every launch follows from the call's signature (shapes, dtypes, devices, ints), the implementation (the
+    function that launches, so that a stub or wrapper put in its place makes another key and is neither
+    replayed over nor recorded for the real one), the config and the 16-byte alignment of the tensors the
+    kernels get (``passed``, None where absent); the outputs and scratch are fresh allocations, always aligned.
     """
     if signature is None:
         return None
@@ -281,18 +282,19 @@ def bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_
             if x is not None:
                 x.fill_(float("nan"))
     segsum = _contiguous(segsum, f32) if impl == "stage0" else None  # the production kernels derive it
-    plan_key = launch_plan_key(signature, impl, config, (*tensors.values(), segsum)) if q.is_cuda else None
+    run = production_bwd_fwd if impl == "production" else stage0_bwd_fwd
+    plan_key = launch_plan_key(signature, run, config, (*tensors.values(), segsum)) if q.is_cuda else None
     # A production call is replayed whole when its plan key has been seen: the launches of the first such call
     # with this call's tensors (roots, in a fixed order) and one fresh scratch allocation (ops/launch.py).
     roots = (*tensors.values(), *outputs.values()) if impl == "production" else None
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext(), LaunchPlan(plan_key, roots) as plan:
         if impl == "production":
             if not plan.replay():
-                production_bwd_fwd(**tensors, **outputs, chunk_size=chunk_size, dot_dtype=dot_dtype,
-                                   dot_precision=dot_precision, config=config)
+                run(**tensors, **outputs, chunk_size=chunk_size, dot_dtype=dot_dtype, dot_precision=dot_precision,
+                    config=config)
         else:
-            stage0_bwd_fwd(**tensors, **outputs, segsum=segsum, chunk_size=chunk_size,
-                           dot_dtype=dot_dtype, dot_precision=dot_precision)
+            run(**tensors, **outputs, segsum=segsum, chunk_size=chunk_size, dot_dtype=dot_dtype,
+                dot_precision=dot_precision)
     results = tuple(outputs[name] for name in ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz"))
     if kernel_dtype != output_dtype:
         results = tuple(None if x is None else x.to(output_dtype) for x in results)

@@ -254,3 +254,20 @@ def test_call_with_a_torch_copy_is_not_replayed(monkeypatch):
     assert not replays
     for a, b in zip(first, second):
         assert a is None or torch.equal(a, b)
+
+
+@requires_cuda
+def test_a_stubbed_implementation_is_not_replayed_over(monkeypatch, poison_outputs):
+    """With a real call of a signature recorded, a stub put in place of production_bwd_fwd (as
+    test_poison_hook_fills_outputs does) is called, not replayed over: the plan key holds the function."""
+    import mamba3_mimo.api as api
+    from mamba3_mimo.inputs import make_inputs
+
+    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
+    inputs = make_inputs(B=1, S=48, H=2, N=16, P=16, R=2, chunk_size=8, device="cuda", seed=seed_for("stub_replay"))
+    api.bwd_fwd(**inputs)
+    api.bwd_fwd(**inputs)  # replayed
+    calls = []
+    monkeypatch.setattr(api, "production_bwd_fwd", lambda **kwargs: calls.append(1))
+    outputs = api.bwd_fwd(**inputs)
+    assert calls == [1] and all(bool(torch.isnan(x).all()) for x in outputs)
