@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import seed_for
+from mamba3_mimo.api import bwd_fwd
+from mamba3_mimo.inputs import make_inputs
+from mamba3_mimo.ops import production
 from mamba3_mimo.ops.chunk_scan import chunk_scan
 from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
 from mamba3_mimo.ops.group_sum import sum_group_partials
@@ -67,7 +70,8 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
 
 @pytest.mark.parametrize("S,RD", [(1, 4), (37, 3), (1500, 32), (300, 64)])
 @pytest.mark.parametrize("trap_dtype", [torch.float32, torch.bfloat16])
-def test_token_tables(request, S, RD, trap_dtype):
+@pytest.mark.parametrize("rotation_dtype", [torch.float32, torch.float16])
+def test_token_tables(request, S, RD, trap_dtype, rotation_dtype):
     """gamma = dt sigmoid(trap), trap_scale = gamma + next dt sigmoid(-next trap) (none after S - 1), and
     cos / sin of the angles, over partial token blocks, RD not a power of two and angles far from 0."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
@@ -76,18 +80,40 @@ def test_token_tables(request, S, RD, trap_dtype):
     trap = torch.randn((B, H, S), generator=gen, dtype=torch.float32).to(trap_dtype)
     angles = torch.randn((B, S, H, RD), generator=gen, dtype=torch.float32) * 200.0
     dt_dev, trap_dev, angles_dev = dt.to(DEVICE), trap.to(DEVICE), angles.to(DEVICE)
-    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt_dev, trap=trap_dev, angles=angles_dev)
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt_dev, trap=trap_dev, angles=angles_dev,
+                                                             rotation_dtype=rotation_dtype)
     t = trap.double()
     want_gamma = dt.double() * torch.sigmoid(t)
     nxt = F.pad(dt.double()[..., 1:] * torch.sigmoid(-t[..., 1:]), (0, 1))
     torch.testing.assert_close(gamma.cpu().double(), want_gamma, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(trap_scale.cpu().double(), want_gamma + nxt, atol=1e-6, rtol=1e-5)
     # fp32 angles of a few hundred radians: within 2e-6 (the GPU reduces by 2 pi in three parts, then
-    # takes the approximate units, 2^-20.9 absolute; the interpreter uses numpy).
-    torch.testing.assert_close(cos_angles.cpu().double(), angles.double().cos(), atol=2e-6, rtol=0)
-    torch.testing.assert_close(sin_angles.cpu().double(), angles.double().sin(), atol=2e-6, rtol=0)
+    # takes the approximate units, 2^-20.9 absolute; the interpreter uses numpy); fp16 tables add their
+    # rounding, at most 2^-12 absolute for |values| <= 1.
+    atol = 2e-6 + (2 ** -12 if rotation_dtype == torch.float16 else 0.0)
+    for table, want in ((cos_angles, angles.double().cos()), (sin_angles, angles.double().sin())):
+        assert table.dtype == rotation_dtype
+        torch.testing.assert_close(table.cpu().double(), want, atol=atol, rtol=0)
     assert cos_angles.shape == sin_angles.shape == angles.shape and cos_angles.is_contiguous()
     assert torch.equal(dt_dev.cpu(), dt) and torch.equal(trap_dev.cpu(), trap) and torch.equal(angles_dev.cpu(), angles)
+
+
+@pytest.mark.parametrize("dtype,want", [(torch.bfloat16, torch.float16), (torch.float16, torch.float32),
+                                        (torch.float32, torch.float32)])
+def test_production_rotation_table_dtype(monkeypatch, dtype, want):
+    """The production path asks for fp16 cos / sin tables exactly where the products take bf16 operands."""
+    # Check mode: every call runs its wrappers (no whole-call replay), so token_tables is called.
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")
+    asked = []
+
+    def recording_tables(**kwargs):
+        asked.append(kwargs["rotation_dtype"])
+        return token_tables(**kwargs)
+
+    monkeypatch.setattr(production, "token_tables", recording_tables)
+    inputs = make_inputs(B=1, S=24, H=2, N=16, P=16, R=2, chunk_size=8, dtype=dtype, device=DEVICE, seed=7)
+    bwd_fwd(**inputs, impl="production")
+    assert asked == [want]
 
 
 @pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128)])

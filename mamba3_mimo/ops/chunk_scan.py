@@ -89,8 +89,8 @@ def _span_raw_y(
     # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
     angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
     rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
-    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0)[:, None, :]
-    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0)[:, None, :]
+    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(tl.float32)[:, None, :]
+    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(tl.float32)[:, None, :]
     mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
     x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
                             + offs_half[None, None, :])
@@ -245,7 +245,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     registers per thread (0: the compiler's choice).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
-        fp32; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
+        fp32 or fp16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``); states: [B, H, nch, N, P];
         seg_entry: [B, H, n_segments, N, P] fp32 or None; qk_dot: [B, H, S, R, R];
         raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip), None with ``dout``;

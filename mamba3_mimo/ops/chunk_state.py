@@ -183,7 +183,7 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
     """End state of every segment but the last, each scanned from a zero state, span_chunks chunks a step.
 
     Args (contiguous; see ``mamba3_mimo.api`` for validation), passed on to the kernel launch:
-        k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32;
+        k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32 or fp16;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
         fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's
@@ -208,7 +208,7 @@ def chunk_states(*, seg_state, states, n_segments, span_chunks=1, **scan_args):
     ``span_chunks`` chunks and stores the state entering each of them.
     """
     # With one segment the fold never runs; any fp32 tensor stands in (same kernel specialization).
-    _launch(**scan_args, n_segments=n_segments, seg_state=scan_args["cos_angles"] if seg_state is None else seg_state,
+    _launch(**scan_args, n_segments=n_segments, seg_state=scan_args["gamma"] if seg_state is None else seg_state,
             states=states, store_states=True, fold_earlier=True, store_end=False, segments_launched=n_segments,
             span_chunks=span_chunks)
 

@@ -296,7 +296,13 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
     n_segments = cdiv(nch, chunks_per_segment)
     local = config.local_states and n_segments > 1
-    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles)
+    # Where the products take bf16 operands (any bf16 activation) the rotated rows are rounded to bf16 (2^-9)
+    # before they are used, so fp16 cos / sin tables (2^-12) add an eighth of that and halve the tables'
+    # traffic: written once, read by the state scans and the output stage (34 / 67 MB of fp32 tables at N = 128 /
+    # 256 on the official grid).
+    half_products = torch.bfloat16 in tuple(x.dtype for x in (q, k, v, dout, z) if x is not None)
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(
+        dt=dt, trap=trap, angles=angles, rotation_dtype=torch.float16 if half_products else torch.float32)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,

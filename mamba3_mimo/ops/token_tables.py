@@ -3,7 +3,8 @@
     gamma[t]      = dt[t] * sigmoid(trap[t])                          (weight of token t on itself)
     trap_scale[t] = gamma[t] + dt[t+1] * sigmoid(-trap[t+1])          (weight of token t on later tokens;
                                                                        no next token after S - 1)
-    cos_angles, sin_angles = cos(angles), sin(angles)                 (the rotation of q and k)
+    cos_angles, sin_angles = cos(angles), sin(angles)                 (the rotation of q and k; fp32, or
+                                                                       fp16 where the products take bf16)
 
 Every later stage reads these tables instead of loading dt and trap at t and t + 1 with two sigmoids
 for each (token, rank) row of every tile, or taking cos / sin per row (which doubled the scan's
@@ -56,21 +57,25 @@ def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr
             cos, sin = fast_cos_sin(theta)
         else:
             cos, sin = tl.cos(theta), tl.sin(theta)
-        tl.store(cos_ptr + angle_offs, cos, mask=angle_mask)
-        tl.store(sin_ptr + angle_offs, sin, mask=angle_mask)
+        tl.store(cos_ptr + angle_offs, cos.to(cos_ptr.dtype.element_ty), mask=angle_mask)
+        tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
 
 
-def token_tables(*, dt, trap, angles):
+def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32):
     """(gamma, trap_scale, cos_angles, sin_angles) for the production kernels.
 
-    Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32.
-    Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] fp32 (views of one
-    allocation each pair, so a call allocates twice).
+    Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32;
+        rotation_dtype: dtype of the cos / sin tables, fp32 or fp16 (|values| <= 1: fp16 rounds them to
+        2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products).
+    Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] rotation_dtype (views
+    of one allocation each pair, so a call allocates twice).
     """
+    if rotation_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"token_tables: rotation_dtype must be float32 or float16, got {rotation_dtype}")
     B, H, S = dt.shape
     RD = angles.shape[3]
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
-    rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=torch.float32)
+    rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=rotation_dtype)
     block_rd = next_power_of_2(max(RD, 1))
     launch(_token_tables_kernel, (cdiv(S, BLOCK_TOKENS), B * H),
         dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1], S, H, RD,

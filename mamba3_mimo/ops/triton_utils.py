@@ -198,14 +198,14 @@ def load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, of
     """cos and sin of the rotation angles as [rows, half] tiles (row i is token ``t_pos[i]``).
 
     ``cos_seq_ptr`` / ``sin_seq_ptr`` point at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0]
-    (fp32, precomputed: libdevice cos/sin per row doubled the registers of the kernels).  Columns
-    n >= RD and masked rows get cos 1, sin 0 (no rotation).  [half, rows] with TRANSPOSED.
+    (fp32 or fp16, precomputed: libdevice cos/sin per row doubled the registers of the kernels), returned
+    in fp32.  Columns n >= RD and masked rows get cos 1, sin 0 (no rotation).  [half, rows] with TRANSPOSED.
     """
     row_angle, col = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
     row_ok, col_rotated = _row_col(row_mask, offs_half < RD, TRANSPOSED)
     rotated = row_ok & col_rotated
-    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
-    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
+    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0).to(tl.float32)
     return cos, sin
 
 
