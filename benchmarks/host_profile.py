@@ -4,11 +4,13 @@
 
 Prints, for one process:
 - the host time per call (launches are asynchronous, so the time a call takes to return is its host
-  work while the GPU keeps up), and the time per call of back-to-back calls;
+  work while the GPU keeps up; a production call after the first of its key is a replay of the recorded
+  launches, ops/launch.py), and the time per call of back-to-back calls;
 - the same host time with every launch through Triton's JIT (MAMBA3_MIMO_JIT_LAUNCH=1), without launch
-  plans (every launch builds its full key) and with the validation cache cleared before each call, for
-  comparison with ops/launch.py and api.validate's cache;
-- the phases of a call, by wrapping the functions that api.bwd_fwd and production_bwd_fwd call;
+  plans (no replay, every launch builds its full key), and with the validation cache cleared before each
+  call, for comparison with ops/launch.py and api.validate's cache;
+- the phases of a call, by wrapping the functions that api.bwd_fwd and production_bwd_fwd call (in check
+  mode, so that the wrappers run);
 - every Triton launch of one call replayed three ways: through the JIT (`kernel[grid](...)`), the JIT's
   argument binder alone, and the compiled kernel's launcher called directly (what ops/launch.py does);
 - with --cprofile, a cProfile of the host work (top functions by own time).
@@ -80,7 +82,10 @@ def print_host_per_call(label, call, calls):
 
 
 def print_phases(call, calls):
-    """Host us per call of each function the two entry points call (module-level names, wrapped)."""
+    """Host us per call of each function the two entry points call (module-level names, wrapped).
+
+    In check mode (MAMBA3_MIMO_CHECK_PLAN=1), so that every call runs its wrappers instead of replaying the
+    recorded call (ops/launch.py); the checks add a little to each phase."""
     spent = {}
 
     def timed(module, name):
@@ -104,9 +109,11 @@ def print_phases(call, calls):
         for name in names:
             if hasattr(module, name):
                 restore.append((module, name, timed(module, name)))
+    os.environ["MAMBA3_MIMO_CHECK_PLAN"] = "1"
     try:
         host_samples(call, calls)
     finally:
+        del os.environ["MAMBA3_MIMO_CHECK_PLAN"]
         for module, name, original in restore:
             setattr(module, name, original)
     for name, samples in spent.items():
