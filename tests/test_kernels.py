@@ -292,13 +292,15 @@ def test_split_gate_scratch_keeps_fp32(check_kernel):
 
     dz sums raw_y over ranks, so where the terms cancel a rounded scratch shows up in full: with raw_y
     stored in bf16, dz came out 3e-3 off normwise here (1e-7 in fp32), and on the GPU its MERE went over
-    the dual benchmark (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1 at 9d55f71).
+    the dual benchmark (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1 at 9d55f71).  The fp16 cos / sin tables
+    of bf16 activations (token_tables) put the fp32 scratch at ~1e-5 here (the interpreter's products are
+    fp32; on the GPU they take bf16 operands, 2^-9), still 1 / 300 of what a bf16 scratch gives.
     """
     config = ScanConfig(block_p=16, n_segments=1, out_block_p=16, split_gate=True)
     checks = check_kernel("production", B=1, S=32, H=2, G=1, N=32, P=16, R=2, chunk_size=16, dtype=BF16, z=True,
                           d=True, output_dtype=F32, config=config)
     normwise = {c.name: c.normwise for c in checks if c.name in ("dz", "dmimo_o")}
-    assert max(normwise.values()) < 1e-5, normwise
+    assert max(normwise.values()) < 1e-4, normwise
 
 
 def pad_to_whole_chunks(inputs):
