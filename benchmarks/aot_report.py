@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.bench import OFFICIAL_CASES, jit_kernels, parse_case  # noqa: E402
 from mamba3_mimo.ops import host_utils  # noqa: E402
-from mamba3_mimo.ops.production import choose_config  # noqa: E402
+from mamba3_mimo.ops.production import choose_config, rotation_table_dtype  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = jit_kernels()
@@ -117,7 +117,9 @@ def report_case(case, impls, overrides, B, S, H, G, dtype, z):
     shape = parse_case(case)
     inputs = empty_inputs(B=B, S=S, H=H, G=G, dtype=dtype, z=z, **shape)
     # The dispatcher's choice for an H200 (not for the CPU this runs on), with the --config fields changed.
-    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, has_z=z, **shape), **(overrides or {}))
+    half_tables = rotation_table_dtype(dtype) == torch.float16
+    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, has_z=z, half_tables=half_tables, **shape),
+                                 **(overrides or {}))
     rows = []
     for impl in impls:
         launches = capture_launches(lambda: api.bwd_fwd(**inputs, output_dtype=dtype, impl=impl, config=config))

@@ -186,7 +186,7 @@ def time_impl(input_sets, impl, output_dtype, config=None, warmup=25, rep=200):
     return first_ms, ms, graph_ms, resources
 
 
-def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=True):
+def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=True, half_tables=True):
     """Candidate production configs: the dispatcher's choice and one knob moved at a time.
 
     ``knob_names``: the ScanConfig fields to move (default: every knob below); a name of the form
@@ -200,7 +200,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
     from .ops.production import ScanConfig, choose_config, gate_tokens_per_program
 
     nch = math.ceil(S / chunk_size)
-    chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms, has_z=has_z)
+    chosen = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms, has_z=has_z,
+                           half_tables=half_tables)
     p_pow = max(16, 1 << (P - 1).bit_length())
     half_pow = max(16, 1 << (N // 2 - 1).bit_length())
     knobs = dict(
@@ -233,7 +234,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
             base = chosen
             if "split_gate" in overrides:
                 base = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
-                                     split_gate=overrides.pop("split_gate"), has_z=has_z)
+                                     split_gate=overrides.pop("split_gate"), has_z=has_z, half_tables=half_tables)
             try:
                 candidate = dataclasses.replace(base, **overrides)
             except ValueError:
@@ -302,12 +303,14 @@ def _git_commit():
 
 def run(args):
     from .inputs import make_inputs
-    from .ops.production import choose_config
+    from .ops.production import choose_config, rotation_table_dtype
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     output_dtype = DTYPES[args.output_dtype]
     has_z = not args.no_z
+    # The dispatcher's choice depends on the rotation tables' dtype (bf16 activations: fp16 tables).
+    half_tables = rotation_table_dtype(DTYPES[args.dtype]) == torch.float16
     impls = args.impl.split(",")
     bandwidth = copy_bandwidth(device)
     print(f"# {props.name}, {props.multi_processor_count} SMs, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
@@ -324,7 +327,8 @@ def run(args):
         if args.sweep:
             _, configs = sweep_configs(args.B, args.S, args.H, shape["N"], shape["P"], shape["R"],
                                        shape["chunk_size"], props.multi_processor_count,
-                                       knob_names=args.knobs.split(",") if args.knobs else None, has_z=has_z)
+                                       knob_names=args.knobs.split(",") if args.knobs else None, has_z=has_z,
+                                       half_tables=half_tables)
             runs = [("production", config) for config in configs] + [(i, None) for i in impls if i != "production"]
         case_records = []
         for impl, config in runs:
@@ -339,7 +343,7 @@ def run(args):
                 continue
             if impl == "production" and config is None:
                 config = choose_config(B=args.B, H=args.H, S=args.S, num_sms=props.multi_processor_count,
-                                       has_z=has_z, **shape)
+                                       has_z=has_z, half_tables=half_tables, **shape)
             record = dict(case=name, impl=impl, z=has_z, output_dtype=args.output_dtype, dtype=args.dtype,
                           B=args.B, S=args.S, H=args.H, G=args.G, ms=ms, graph_ms=graph_ms, floor_ms=floor_ms,
                           floor_ratio=ms / floor_ms, tflops=flops / (ms * 1e-3) / 1e12, first_call_ms=first_ms,

@@ -50,9 +50,18 @@ from .token_tables import token_tables
 # two-pass rule onto it (N128_P128 would take 1 segment, 957 against 917 us) was not measured to pay.
 SCAN_PROGRAMS_PER_SM = 4
 WIDE_TILE_PROGRAMS_PER_SM = 2
-# Scan programs one SM holds at once (4 warps, registers as compiled for sm_90 by benchmarks/aot_report.py):
-# [2 x 64, <= 64] state tiles 238-255 registers, 2; [2 x 32, <= 64] 168, 3; [2 x 16, 32] ~100, 4.
+# Scan programs one SM holds at once (4 warps, registers as compiled for sm_90 by benchmarks/aot_report.py),
+# by N/2 tile, with fp32 rotation tables: [2 x 64, <= 64] state tiles 238-255 registers, 2; [2 x 32, <= 64]
+# 144-168, 3; [2 x 16, 32] 85-100, 4.
 RESIDENT_SCAN_PROGRAMS = {64: 2, 32: 3, 16: 4}
+# With fp16 tables (bf16 activations, ``rotation_table_dtype``) the narrower tiles compile to 130-137 and 86-96
+# registers; capped at 128 / 96 (24 B of spill at N64_P128, none elsewhere) they hold 4 / 5 programs an SM.
+# N/2 tile -> (programs an SM, register cap of the scan).  Sweep of f67b954 (graph us, segments at the old ->
+# the new count): N64_P64_R4_C16 387 -> 372 (3 -> 4, capped; scan 114 -> 101; 4 uncapped: 429), N64_P128_R4_C16
+# 569 -> 546 (scan 151 -> 128; 4 uncapped: 634), N16_P64_R4_C8 309 -> 304 (4 -> 5; 6: 334), N32_P64_R4_C16
+# 307 -> 304 (6: 336).  fp16 and fp32 activations keep the table above: at these caps they spill 8-56 B
+# (fp16) and up to 992 B (fp32).
+HALF_TABLE_SCAN_RESIDENCY = {64: (2, 0), 32: (4, 128), 16: (5, 96)}
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -137,11 +146,13 @@ class ScanConfig:
 
 # Cached: a call's host work is several times the device time on small problems (benchmarks/host_profile.py).
 @functools.lru_cache(maxsize=256)
-def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has_z=True):
+def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has_z=True, half_tables=True):
     """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md).
 
     ``split_gate``: force the split (True) or the fused (False) output stage, with the settings that go
     with it; None: the dispatcher's rule.  ``has_z``: whether the call has the SiLU gate (z).
+    ``half_tables``: the rotation tables are fp16 (``rotation_table_dtype``: bf16 activations, as on the
+    official grid), which leaves the state scans fewer registers and room for more programs an SM.
     """
     nch = cdiv(S, chunk_size)
     p_pow = max(16, next_power_of_2(P))
@@ -184,6 +195,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 1107 -> 1125 at best: spills) and two ranks per step (N128_P64_R8_C8 1308 -> 1724: 168 output
     # registers instead of 128).  Its segment count is set below.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
+    scan_max_registers = 0
     # The split output stage (chunk_scan + gate_grads, docs/optimization.md sections 15-16) everywhere: with
     # gate_grads over token ranges it won on all 11 official shapes (sweep of 1de1006, graph us, fused ->
     # split): N16_P64_R4_C8 331 -> 317, N32 316 -> 288, N64_P64 435 -> 400, N128_P64_R4_C16 546 -> 407,
@@ -221,8 +233,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # where the 168-register scan holds 3 programs an SM): N64_P64_R4_C16 434 -> 398 (scan 153 -> 110),
         # N64_P128_R4_C16 622 -> 565; without Z 356 -> 309, 468 -> 419.  Where 4 segments are one wave (N16,
         # N32, the N = 128 shapes) 5, 6 or 8 lose or tie (N32 310 -> 342 / 334 / 321).
-        resident = RESIDENT_SCAN_PROGRAMS.get(block_half, 2) * num_sms
-        want_segments = max(1, resident // (B * H * tiles))
+        # The register caps of HALF_TABLE_SCAN_RESIDENCY put 4 / 5 narrow scan programs on an SM (sweep of f67b954).
+        per_sm = RESIDENT_SCAN_PROGRAMS.get(block_half, 2)
+        if half_tables:
+            per_sm, scan_max_registers = HALF_TABLE_SCAN_RESIDENCY.get(block_half, (per_sm, 0))
+        want_segments = max(1, per_sm * num_sms // (B * H * tiles))
     # The scan that stores ``states`` takes a span of short chunks a step where its state tile is narrow (N <= 64):
     # sweep of 5f4cfc7 (2026-12-04_h200_sweep_5f4cfc7.json, graph us, 1 -> 2 chunks a step): N16_P64_R4_C8
     # 323 -> 297 (state scan 98 -> 73; 4 chunks: 344); 128-row steps lose or tie (N32_P64_R4_C16 290 -> 324,
@@ -257,7 +272,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
-                      gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan)
+                      gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
+                      scan_max_registers=scan_max_registers)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
@@ -275,6 +291,18 @@ def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
     return tokens
 
 
+def rotation_table_dtype(*activation_dtypes):
+    """dtype of the cos / sin tables for a call with these activation dtypes (q, k, v, dout, z).
+
+    Where the products take bf16 operands (any bf16 activation) the rotated rows are rounded to bf16 (2^-9)
+    before they are used, so fp16 tables (2^-12) add an eighth of that and halve the tables' traffic: written
+    once, read by the state scans and the output stage (34 / 67 MB of fp32 tables at N = 128 / 256 on the
+    official grid; official grid at f67b954 against 3162298, graph us: N256_P64_R4_C8 975 -> 905, its
+    chunk_scan 400 -> 346 at fewer registers).  Elsewhere fp32.
+    """
+    return torch.float16 if torch.bfloat16 in activation_dtypes else torch.float32
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -286,23 +314,19 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     """Fill every output in place (tensors as in ``stage0_bwd_fwd``; segsum is derived from da_cs)."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
+    rotation_dtype = rotation_table_dtype(*(x.dtype for x in (q, k, v, dout, z) if x is not None))
     if config is None:
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
-                               has_z=z is not None)
+                               has_z=z is not None, half_tables=rotation_dtype == torch.float16)
     nch = cdiv(S, chunk_size)
     # Segments hold whole steps of both scans.
     span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
     chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
     n_segments = cdiv(nch, chunks_per_segment)
     local = config.local_states and n_segments > 1
-    # Where the products take bf16 operands (any bf16 activation) the rotated rows are rounded to bf16 (2^-9)
-    # before they are used, so fp16 cos / sin tables (2^-12) add an eighth of that and halve the tables'
-    # traffic: written once, read by the state scans and the output stage (34 / 67 MB of fp32 tables at N = 128 /
-    # 256 on the official grid).
-    half_products = torch.bfloat16 in tuple(x.dtype for x in (q, k, v, dout, z) if x is not None)
-    gamma, trap_scale, cos_angles, sin_angles = token_tables(
-        dt=dt, trap=trap, angles=angles, rotation_dtype=torch.float16 if half_products else torch.float32)
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles,
+                                                             rotation_dtype=rotation_dtype)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
