@@ -5,8 +5,9 @@
 # sanitizer's split cases (memcheck), then the official benchmark with Z on (production and stage0) and Z off.
 # usage: MAMBA3_COMMIT=<sha> [PARTS="tests grids unit sanitize bench noz"] [BENCH_IMPL=production,stage0] \
 #        bash benchmarks/final_gpu.sh     (results under $OUT, or ./gpu_out)
-# All parts take ~600 s, more than one device call (tests ~200 with the Z-off grid, grids 125, unit 50, sanitize 40,
-# bench 80, noz 35): run them in two calls, e.g. PARTS="tests grids unit sanitize" then PARTS="bench noz";
+# All parts take ~550 s, more than fits one device call with its start (at 729e88c: tests 190 s with the Z-off grid,
+# grids 140, unit 75, sanitize 20, bench + noz 110): run them in two calls, PARTS="tests grids" then
+# PARTS="unit sanitize bench noz";
 # PARTS picks a subset (most important first), BENCH_IMPL=production skips stage0 in the Z-on benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
