@@ -238,12 +238,6 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         if half_tables:
             per_sm, scan_max_registers = HALF_TABLE_SCAN_RESIDENCY.get(block_half, (per_sm, 0))
         want_segments = max(1, per_sm * num_sms // (B * H * tiles))
-    elif half_tables and HALF_TABLE_SCAN_RESIDENCY.get(block_half, (0, 0))[1]:
-        # Two passes over narrow tiles with fp16 tables (N128_P128_R4_C8): the one-wave rule with the cap too.
-        # Uncapped (3 programs an SM) 4 segments made 2.6 waves of the storing scan and 2 segments 1.3 waves of
-        # twice the steps, hence their tie (917 / 901 us); capped (4 an SM) 2 segments are one wave.
-        per_sm, scan_max_registers = HALF_TABLE_SCAN_RESIDENCY[block_half]
-        want_segments = max(1, per_sm * num_sms // (B * H * tiles))
     # The scan that stores ``states`` takes a span of short chunks a step where its state tile is narrow (N <= 64):
     # sweep of 5f4cfc7 (2026-12-04_h200_sweep_5f4cfc7.json, graph us, 1 -> 2 chunks a step): N16_P64_R4_C8
     # 323 -> 297 (state scan 98 -> 73; 4 chunks: 344); 128-row steps lose or tie (N32_P64_R4_C16 290 -> 324,
