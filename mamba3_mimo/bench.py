@@ -223,6 +223,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gate_tokens=[32, 64, 128, 256, 512],
         state_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         gate_in_scan=[False, True],
+        scan_prefetch=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -143,11 +143,16 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=16, n_segments=5, out_block_p=16, chunks_per_program=4, num_warps=2, out_num_warps=4),
     ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8),
     ScanConfig(block_p=32, n_segments=3, block_half=32, out_block_p=32, scan_max_registers=168),  # a capped scan
+    # Scans that load a step ahead: two passes (the end-state pass in spans of 2), then local states with
+    # two chunks a step, each segment's last step loading nothing.
+    ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, end_span_chunks=2, scan_prefetch=True),
+    ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=True, split_gate=True, state_span_chunks=2,
+               scan_prefetch=True),
 ]
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
-                         f"o{c.out_block_p}-g{c.chunks_per_program}")
+                         f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""

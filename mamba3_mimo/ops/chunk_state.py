@@ -27,14 +27,42 @@ import triton.language as tl
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
 from .triton_utils import (
+    add_bias_halves,
     chunk_log_decay_at,
     chunk_rows,
     chunk_run_log_decay,
-    load_rotated_gather,
+    load_angle_tiles,
+    load_halves,
     load_rows,
     load_token_weights,
+    rotate_half,
     span_decay_offsets,
 )
+
+
+@triton.jit
+def _load_step(k_seq, v_seq, cos_seq, sin_seq, da_cs_seq, da_rev_seq, gamma_seq, trap_scale_seq, t_rows, t0,
+               row_r, row_mask, offs_half, half_mask, offs_p, p_mask, S, H, G,
+               C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
+               SPAN_CHUNKS: tl.constexpr, ONE_PRODUCT: tl.constexpr):
+    """Everything one scan step reads from memory, as stored: nothing here waits on the state.
+
+    Returns k^T halves [half, rows] and cos / sin [half, rows] in their stored dtypes, v rows [rows, P tile]
+    in its dtype, and per row ``da_rev`` (re-based to the span end where one product covers the span) and
+    ``trap_scale`` (fp32), and the span's whole log decay (a scalar; 0 unless ONE_PRODUCT).
+    """
+    k_lo_t, k_hi_t = load_halves(k_seq, t_rows, row_r, row_mask, R * G * N, G * N, offs_half, half_mask, N,
+                                 TRANSPOSED=True)
+    cos_t, sin_t = load_angle_tiles(cos_seq, sin_seq, t_rows, row_mask, H * RD, offs_half, RD, TRANSPOSED=True)
+    v_rows = tl.load(v_seq + (t_rows * (H * P))[:, None] + offs_p[None, :],
+                     mask=row_mask[:, None] & p_mask[None, :], other=0.0)
+    _, da_rev, _, trap_scale = load_token_weights(da_cs_seq, da_rev_seq, gamma_seq, trap_scale_seq, t_rows, S)
+    span_log_decay = tl.full((), 0.0, tl.float32)
+    if ONE_PRODUCT:
+        _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
+        if SPAN_CHUNKS > 1:
+            da_rev += later
+    return k_lo_t, k_hi_t, cos_t, sin_t, v_rows, da_rev, trap_scale, span_log_decay
 
 
 @triton.jit
@@ -46,13 +74,10 @@ def _state_scan_kernel(
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     # A step takes a span of SPAN_CHUNKS chunks (L tokens); CHUNKS_PER_SEG is a multiple of SPAN_CHUNKS.
-    # Without STORE_STATES only a segment's end state is wanted: one product per half covers the span.
-    # With it every chunk's entering state is stored: one product per chunk of the span, its rows
-    # selected from the span's tiles (the loads of all the span's chunks are in flight together).
     L: tl.constexpr = C * SPAN_CHUNKS
     P_TILES: tl.constexpr = (P + BLOCK_P - 1) // BLOCK_P
     pid_n = tl.program_id(0) // P_TILES
@@ -75,7 +100,6 @@ def _state_scan_kernel(
     k_seq = k_ptr + b * S * R * G * N + g * N
     v_seq = v_ptr + (b * S * H + h) * P
     angle_base = (b * S * H + h) * RD
-    k_bias_head = k_bias_ptr + h * R * N
     psi_rows = load_rows(psi_ptr + h * R * P, row_r * P, row_valid, offs_p, p_mask)
 
     tile_offs = offs_half[:, None] * P + offs_p[None, :]
@@ -92,7 +116,26 @@ def _state_scan_kernel(
             state_hi = state_hi * seg_decay + tl.load(end_state + HALF * P + tile_offs, mask=tile_mask, other=0.0)
 
     states_seq = states_ptr + bh * NCH * N * P
-    for i in range(0, CHUNKS_PER_SEG // SPAN_CHUNKS):
+    k_bias_head = k_bias_ptr + h * R * N
+    # Without STORE_STATES only a segment's end state is wanted: one product per half covers a span.  With it
+    # every chunk's entering state is stored: one product per chunk of the span, its rows selected from the
+    # span's tiles (the loads of all the span's chunks are in flight together).
+    ONE_PRODUCT: tl.constexpr = SPAN_CHUNKS == 1 or not STORE_STATES
+    n_steps = CHUNKS_PER_SEG // SPAN_CHUNKS
+    cos_seq = cos_ptr + angle_base
+    sin_seq = sin_ptr + angle_base
+    da_rev_seq = da_rev_ptr + disc_base
+    gamma_seq = gamma_ptr + disc_base
+    trap_scale_seq = trap_scale_ptr + disc_base
+    if PREFETCH:
+        # Step i + 1's loads are issued before step i's products, so their latency hides under them.
+        t_next = seg * CHUNKS_PER_SEG * C + row_t
+        (next_k_lo, next_k_hi, next_cos, next_sin, next_v, next_da_rev, next_trap_scale,
+         next_span_log_decay) = _load_step(
+            k_seq, v_seq, cos_seq, sin_seq, da_cs_seq, da_rev_seq, gamma_seq, trap_scale_seq, t_next,
+            seg * CHUNKS_PER_SEG * C, row_r, row_valid & (t_next < S), offs_half, half_mask, offs_p, p_mask,
+            S, H, G, C, R, N, P, RD, SPAN_CHUNKS, ONE_PRODUCT)
+    for i in range(0, n_steps):
         c = seg * CHUNKS_PER_SEG + i * SPAN_CHUNKS  # first chunk of the span
         t0 = c * C
         t_rows = t0 + row_t
@@ -102,22 +145,31 @@ def _state_scan_kernel(
             tl.store(states_seq + c * N * P + tile_offs, state_lo.to(states_ptr.dtype.element_ty), mask=chunk_mask)
             tl.store(states_seq + c * N * P + HALF * P + tile_offs, state_hi.to(states_ptr.dtype.element_ty),
                      mask=chunk_mask)
+        if PREFETCH:
+            k_lo_t, k_hi_t, cos_t, sin_t, v_rows = next_k_lo, next_k_hi, next_cos, next_sin, next_v
+            da_rev, trap_scale, span_log_decay = next_da_rev, next_trap_scale, next_span_log_decay
+            t_next = t_rows + L
+            (next_k_lo, next_k_hi, next_cos, next_sin, next_v, next_da_rev, next_trap_scale,
+             next_span_log_decay) = _load_step(
+                k_seq, v_seq, cos_seq, sin_seq, da_cs_seq, da_rev_seq, gamma_seq, trap_scale_seq, t_next, t0 + L,
+                row_r, row_valid & (t_next < S) & (i + 1 < n_steps), offs_half, half_mask, offs_p, p_mask,
+                S, H, G, C, R, N, P, RD, SPAN_CHUNKS, ONE_PRODUCT)
+        else:
+            k_lo_t, k_hi_t, cos_t, sin_t, v_rows, da_rev, trap_scale, span_log_decay = _load_step(
+                k_seq, v_seq, cos_seq, sin_seq, da_cs_seq, da_rev_seq, gamma_seq, trap_scale_seq, t_rows, t0,
+                row_r, row_mask, offs_half, half_mask, offs_p, p_mask, S, H, G, C, R, N, P, RD, SPAN_CHUNKS,
+                ONE_PRODUCT)
 
         # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
-        k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_ptr + angle_base, sin_ptr + angle_base, t_rows,
-                                             row_r, row_mask, R * G * N, G * N, H * RD, offs_half, half_mask,
-                                             N, RD, DOT_DTYPE, TRANSPOSED=True)
-        _, da_rev, _, trap_scale = load_token_weights(
-            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
-        # exp(da_cs_rev) decays each token to its chunk's end; it weighs psiv rows, not k~.  One product over
-        # the whole span (everywhere but a storing scan in spans) decays each token to the span end instead.
-        ONE_PRODUCT: tl.constexpr = SPAN_CHUNKS == 1 or not STORE_STATES
-        if ONE_PRODUCT:
-            _, later, span_log_decay = span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)
-            if SPAN_CHUNKS > 1:
-                da_rev += later
+        k_lo_t, k_hi_t = add_bias_halves(k_lo_t, k_hi_t, k_bias_head, row_r, row_mask, offs_half, half_mask, N,
+                                         TRANSPOSED=True)
+        k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(tl.float32), sin_t.to(tl.float32))
+        k_lo_t = k_lo_t.to(DOT_DTYPE)
+        k_hi_t = k_hi_t.to(DOT_DTYPE)
+        # exp(da_cs_rev) decays each token to its chunk's end (with one product over a span: to the span end);
+        # it weighs psiv rows, not k~.
         k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
-        psiv_w = load_rows(v_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows * k_weight[:, None]
+        psiv_w = v_rows.to(tl.float32) * psi_rows * k_weight[:, None]
         if not ONE_PRODUCT:
             # Chunk j's product takes its rows only, each decayed to chunk j's end.
             for j in tl.static_range(SPAN_CHUNKS):
@@ -154,7 +206,8 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
 
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
-            num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1, max_registers=0):
+            num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1, max_registers=0,
+            prefetch=False):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
@@ -168,7 +221,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=num_warps, num_stages=1,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PREFETCH=prefetch, num_warps=num_warps, num_stages=1,
         **({'maxnreg': max_registers} if max_registers else {}),
     )
 
@@ -187,7 +240,8 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
         fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's
-        choice); chunks_per_segment must be a multiple of span_chunks.
+        choice), prefetch (issue each step's loads one step ahead); chunks_per_segment must be a multiple of
+        span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

@@ -101,6 +101,8 @@ class ScanConfig:
     loads per step, storing the state entering each (1: one chunk a step).
     scan_max_registers: register cap per thread of the state scans (0: the compiler's choice); at 168 an SM
     holds three 4-warp scan programs instead of two where the compiler takes 255 (the 64-wide tiles).
+    scan_prefetch: the state scans issue each step's loads one step ahead (held in registers across the
+    step's products), so their latency hides under the previous step's work.
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
     Z, and with Z at R = 1).
@@ -123,6 +125,7 @@ class ScanConfig:
     state_span_chunks: int = 1
     gate_in_scan: bool = False
     scan_max_registers: int = 0
+    scan_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -331,7 +334,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers)
+                dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
+                prefetch=config.scan_prefetch)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))

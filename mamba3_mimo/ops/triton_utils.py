@@ -199,37 +199,58 @@ def load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, of
 
     ``cos_seq_ptr`` / ``sin_seq_ptr`` point at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0]
     (fp32 or fp16, precomputed: libdevice cos/sin per row doubled the registers of the kernels), returned
-    in fp32.  Columns n >= RD and masked rows get cos 1, sin 0 (no rotation).  [half, rows] with TRANSPOSED.
+    in the tables' dtype.  Columns n >= RD and masked rows get cos 1, sin 0 (no rotation).  [half, rows]
+    with TRANSPOSED.
     """
     row_angle, col = _row_col(t_pos * angle_stride, offs_half, TRANSPOSED)
     row_ok, col_rotated = _row_col(row_mask, offs_half < RD, TRANSPOSED)
     rotated = row_ok & col_rotated
-    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0).to(tl.float32)
-    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0).to(tl.float32)
+    cos = tl.load(cos_seq_ptr + row_angle + col, mask=rotated, other=1.0)
+    sin = tl.load(sin_seq_ptr + row_angle + col, mask=rotated, other=0.0)
     return cos, sin
 
 
 @triton.jit
-def load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half,
-                       half_mask, N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """Biased q or k rows, not rotated, as fp32 halves (x[:, n], x[:, N/2 + n]) for n in ``offs_half``.
+def load_halves(x_seq_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half, half_mask,
+                N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """q or k rows as they are stored, halves (x[:, n], x[:, N/2 + n]) for n in ``offs_half``; masked: 0.
 
     Row i is token ``t_pos[i]``, rank ``ranks[i]`` (both [rows] int tensors).  ``x_seq_ptr`` points
-    at x[b, 0, 0, g, 0] of [B, S, R, G, N], ``bias_head_ptr`` at bias[h, 0, 0] of [H, R, N].  Masked
-    elements are exactly zero (x and bias both load as 0).  [half, rows] with TRANSPOSED.
+    at x[b, 0, 0, g, 0] of [B, S, R, G, N].  [half, rows] with TRANSPOSED.
     """
     HALF: tl.constexpr = N // 2
     row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
     mask = row_ok & col_ok
     row_addr, col = _row_col(t_pos * token_stride + ranks * rank_stride, offs_half, TRANSPOSED)
     offs = row_addr + col
-    row_bias, _ = _row_col(ranks * N, offs_half, TRANSPOSED)
+    return tl.load(x_seq_ptr + offs, mask=mask, other=0.0), tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def add_bias_halves(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N: tl.constexpr,
+                    TRANSPOSED: tl.constexpr = False):
+    """The halves of ``load_halves`` in fp32 with the per-rank bias added; masked elements exactly zero.
+
+    ``bias_head_ptr`` points at bias[h, 0, 0] of [H, R, N].
+    """
+    HALF: tl.constexpr = N // 2
+    row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
+    mask = row_ok & col_ok
+    row_bias, col = _row_col(ranks * N, offs_half, TRANSPOSED)
     bias_offs = row_bias + col
-    x_lo = tl.load(x_seq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_seq_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    x_lo = tl.where(mask, x_lo + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
-    x_hi = tl.where(mask, x_hi + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0), 0.0)
+    x_lo = tl.where(mask, x_lo.to(tl.float32) + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
+    x_hi = tl.where(mask, x_hi.to(tl.float32) + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0),
+                    0.0)
     return x_lo, x_hi
+
+
+@triton.jit
+def load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half,
+                       half_mask, N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """Biased q or k rows, not rotated, as fp32 halves (``load_halves`` then ``add_bias_halves``)."""
+    x_lo, x_hi = load_halves(x_seq_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half, half_mask,
+                             N, TRANSPOSED)
+    return add_bias_halves(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N, TRANSPOSED)
 
 
 @triton.jit
@@ -247,7 +268,7 @@ def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_po
                                     offs_half, half_mask, N, TRANSPOSED)
     cos, sin = load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, offs_half, RD,
                                 TRANSPOSED)
-    x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
+    x_lo, x_hi = rotate_half(x_lo, x_hi, cos.to(tl.float32), sin.to(tl.float32))
     return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
 
 
