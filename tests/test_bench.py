@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from mamba3_mimo.bench import geomean, parse_case, sweep_configs
-from mamba3_mimo.ops.production import (HALF_TABLE_SCAN_RESIDENCY, RESIDENT_SCAN_PROGRAMS, ScanConfig, choose_config,
+from mamba3_mimo.ops.production import (HALF_TABLE_SCAN_RESIDENCY, PREFETCH_SCAN_RESIDENCY, RESIDENT_SCAN_PROGRAMS,
+                                        TWO_PASS_SCAN, ScanConfig, choose_config,
                                         gate_tokens_per_program)
 
 SHAPE = dict(B=4, S=2048, H=16, N=64, P=128, R=4, chunk_size=16, num_sms=132)
@@ -96,26 +97,44 @@ def test_dispatcher_state_spans(N, P, R, C, state_span):
 
 @pytest.mark.parametrize("half_tables", [True, False])
 @pytest.mark.parametrize("N,P,R,C,has_z,segments,half_table_segments", [
-    (64, 64, 4, 16, True, 3, 4), (64, 128, 4, 16, False, 3, 4), (32, 64, 4, 16, True, 4, 5), (16, 64, 4, 8, True, 4, 5),
+    (64, 64, 4, 16, True, 3, 4), (64, 128, 4, 16, False, 3, 2), (32, 64, 4, 16, True, 4, 5), (16, 64, 4, 8, True, 4, 5),
     (128, 64, 4, 16, True, 4, 4), (128, 32, 4, 16, False, 4, 4), (128, 64, 1, 64, True, 4, 4)])
 def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segments, half_table_segments, half_tables):
     """The one-pass scan takes as many segments as leave every program resident at once (sweeps of 4b8eeb1:
     3 segments at N64, where 4 spilled into a second wave; 4 at N <= 32 and N = 128, where 5-8 lose).  With
     fp16 rotation tables the narrow tiles take a register cap that fits 4 / 5 programs an SM, and one more
-    segment (sweep of f67b954); the 64-wide tiles keep theirs."""
+    segment (sweep of f67b954); the 64-wide tiles keep theirs.  The [2 x 32, 64] tile of N64_P128 loads a step
+    ahead at 2 programs an SM instead (sweeps of f57a6ee)."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132, has_z=has_z,
                            half_tables=half_tables)
-    if half_tables:
+    prefetch = half_tables and (config.block_half, config.block_p) in PREFETCH_SCAN_RESIDENCY
+    if prefetch:
+        segments = half_table_segments
+        per_sm, cap = PREFETCH_SCAN_RESIDENCY[config.block_half, config.block_p], 0
+    elif half_tables:
         segments = half_table_segments
         per_sm, cap = HALF_TABLE_SCAN_RESIDENCY[config.block_half]
     else:
         per_sm, cap = RESIDENT_SCAN_PROGRAMS[config.block_half], 0
     assert config.local_states and config.n_segments == segments and config.scan_max_registers == cap
+    assert config.scan_prefetch is prefetch and config.num_warps == 4
+    assert (N, P) != (64, 128) or prefetch is half_tables
     tiles = -(-N // 2 // config.block_half) * -(-P // config.block_p)
     resident = per_sm * 132
     assert segments * 64 * tiles <= resident < (segments + 1) * 64 * tiles
     # Every program of the wave fits in an SM's 64K registers at the cap (registers go out per warp in 256s).
     assert not cap or per_sm * 4 * 32 * cap <= 65536
+
+
+@pytest.mark.parametrize("has_z", [True, False])
+@pytest.mark.parametrize("N,P,C,segments,warps", [(256, 64, 8, 2, 8), (128, 128, 8, 2, 4)])
+def test_dispatcher_two_pass_segments_and_warps(N, P, C, segments, warps, has_z):
+    """Two-pass scans: [2 x 64, 64] tiles at 8 warps, one program an SM; [2 x 32, 64] tiles at 2 an SM (sweeps of
+    f57a6ee: N256 911 -> 829 us, N128_P128 882 -> 855); neither loads ahead."""
+    config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=4, chunk_size=C, num_sms=132, has_z=has_z)
+    assert not config.local_states and not config.scan_prefetch
+    assert (config.n_segments, config.num_warps) == (segments, warps)
+    assert TWO_PASS_SCAN[config.block_half] == ({64: 1, 32: 2}[config.block_half], warps)
 
 
 def test_two_pass_schedule_keeps_an_uncapped_scan():

@@ -43,13 +43,13 @@ from .launch import forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
 
-# Programs per SM the two-pass schedule's scans aim for (then rounded up to a power of two of segments):
-# their chunk loop is latency-bound.  Four with [2 x 32, <= 64] state tiles (168 registers, 3 CTAs fit); two
-# with [2 x 64, 64] tiles (254 registers, 2 CTAs fit), which gave 8 segments at N128_P64 (4: 671 us, 8: 640,
-# 16: 723).  The local-state schedule sizes its one pass by RESIDENT_SCAN_PROGRAMS instead; moving the
-# two-pass rule onto it (N128_P128 would take 1 segment, 957 against 917 us) was not measured to pay.
-SCAN_PROGRAMS_PER_SM = 4
-WIDE_TILE_PROGRAMS_PER_SM = 2
+# Programs per SM the two-pass schedule's scans aim for (then rounded up to a power of two of segments), by
+# N/2 tile, and the scan's warps.  The [2 x 64, 64] tiles run 8 warps (164 registers: one program an SM): sweeps
+# of f57a6ee (2026-12-04_h200_sweep_f57a6ee_scan_warps.json, graph us), N256_P64_R4_C8 at 2 segments 829-830
+# against 911-912 for the old 4 warps at 4 segments (state scans 467 -> 384).  The 32-wide tiles at 2 an SM:
+# N128_P128_R4_C8 2 segments 855 against 882 at 4 (the fifth sweep where 2 led).  16-wide: 4 an SM (unmeasured
+# since the two-pass schedule left the official shapes at that width).
+TWO_PASS_SCAN = {64: (1, 8), 32: (2, 4), 16: (4, 4)}
 # Scan programs one SM holds at once (4 warps, registers as compiled for sm_90 by benchmarks/aot_report.py),
 # by N/2 tile, with fp32 rotation tables: [2 x 64, <= 64] state tiles 238-255 registers, 2; [2 x 32, <= 64]
 # 144-168, 3; [2 x 16, 32] 85-100, 4.
@@ -62,6 +62,12 @@ RESIDENT_SCAN_PROGRAMS = {64: 2, 32: 3, 16: 4}
 # 307 -> 304 (6: 336).  fp16 and fp32 activations keep the table above: at these caps they spill 8-56 B
 # (fp16) and up to 992 B (fp32).
 HALF_TABLE_SCAN_RESIDENCY = {64: (2, 0), 32: (4, 128), 16: (5, 96)}
+# With fp16 tables a local-state scan over [2 x 32, 64] tiles loads a step ahead (``scan_prefetch``) at 2 programs
+# an SM, uncapped (254 registers): N64_P128_R4_C16 539 / 540 us in two sweeps of f57a6ee against 561 / 562 for 4
+# capped programs without it (state scan 140 -> 129).  The [2 x 32, 32] tile of N64_P64 loses with it (396 against
+# 374): its capped scan fits 4 programs an SM, and loading ahead leaves room for 2.  (block_half, block_p) ->
+# programs an SM.
+PREFETCH_SCAN_RESIDENCY = {(32, 64): 2}
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -173,7 +179,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # registers, 3 programs per SM, instead of 2 of 255).
         block_p, block_half = 64, 32
     tiles = cdiv(half_pow, block_half) * cdiv(p_pow, block_p)
-    per_sm = WIDE_TILE_PROGRAMS_PER_SM if block_half >= 64 else SCAN_PROGRAMS_PER_SM
+    per_sm, num_warps = TWO_PASS_SCAN[block_half]
     # Short chunks (C * R < SPAN_ROWS) are read in spans of SPAN_ROWS (token, rank) rows by the stages
     # that do not write per-chunk states: fewer, fuller serial steps (the C = 8 shapes).
     # Sweep of 0ab35d8 (2026-12-03_h200_sweep_0ab35d8.json, graph us): spans of 2 chunks of 8 cut
@@ -199,6 +205,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # registers instead of 128).  Its segment count is set below.
     local_states = span_chunks == 1 and ranks_per_step == 1 and 32 <= N <= 128
     scan_max_registers = 0
+    scan_prefetch = False
     # The split output stage (chunk_scan + gate_grads, docs/optimization.md sections 15-16) everywhere: with
     # gate_grads over token ranges it won on all 11 official shapes (sweep of 1de1006, graph us, fused ->
     # split): N16_P64_R4_C8 331 -> 317, N32 316 -> 288, N64_P64 435 -> 400, N128_P64_R4_C16 546 -> 407,
@@ -237,9 +244,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # N64_P128_R4_C16 622 -> 565; without Z 356 -> 309, 468 -> 419.  Where 4 segments are one wave (N16,
         # N32, the N = 128 shapes) 5, 6 or 8 lose or tie (N32 310 -> 342 / 334 / 321).
         # The register caps of HALF_TABLE_SCAN_RESIDENCY put 4 / 5 narrow scan programs on an SM (sweep of f67b954).
+        num_warps = 4
         per_sm = RESIDENT_SCAN_PROGRAMS.get(block_half, 2)
         if half_tables:
             per_sm, scan_max_registers = HALF_TABLE_SCAN_RESIDENCY.get(block_half, (per_sm, 0))
+            if (block_half, block_p) in PREFETCH_SCAN_RESIDENCY:
+                per_sm, scan_max_registers = PREFETCH_SCAN_RESIDENCY[block_half, block_p], 0
+                scan_prefetch = True
         want_segments = max(1, per_sm * num_sms // (B * H * tiles))
     # The scan that stores ``states`` takes a span of short chunks a step where its state tile is narrow (N <= 64):
     # sweep of 5f4cfc7 (2026-12-04_h200_sweep_5f4cfc7.json, graph us, 1 -> 2 chunks a step): N16_P64_R4_C8
@@ -276,7 +287,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
                       gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
-                      scan_max_registers=scan_max_registers)
+                      scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
