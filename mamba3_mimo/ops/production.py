@@ -47,9 +47,10 @@ from .token_tables import token_tables
 # N/2 tile, and the scan's warps.  The [2 x 64, 64] tiles run 8 warps (164 registers: one program an SM): sweeps
 # of f57a6ee (2026-12-04_h200_sweep_f57a6ee_scan_warps.json, graph us), N256_P64_R4_C8 at 2 segments 829-830
 # against 911-912 for the old 4 warps at 4 segments (state scans 467 -> 384).  The 32-wide tiles at 2 an SM:
-# N128_P128_R4_C8 2 segments 855 against 882 at 4 (the fifth sweep where 2 led).  16-wide: 4 an SM (unmeasured
-# since the two-pass schedule left the official shapes at that width).
-TWO_PASS_SCAN = {64: (1, 8), 32: (2, 4), 16: (4, 4)}
+# N128_P128_R4_C8 2 segments 855 against 882 at 4 (the fifth sweep where 2 led).  The 16-wide tiles too: without
+# Z, N16_P64_R4_C8 (fused stage, two passes) at 4 segments 243 / 244 us in two sweeps of 8ebfff3, against 260 / 261
+# at the old rule's 8 and 309 at 2.
+TWO_PASS_SCAN = {64: (1, 8), 32: (2, 4), 16: (2, 4)}
 # Scan programs one SM holds at once (4 warps, registers as compiled for sm_90 by benchmarks/aot_report.py),
 # by N/2 tile, with fp32 rotation tables: [2 x 64, <= 64] state tiles 238-255 registers, 2; [2 x 32, <= 64]
 # 144-168, 3; [2 x 16, 32] 85-100, 4.
