@@ -157,8 +157,7 @@ class _CallRecord:
                 self.scratch[region] = self.scratch_bytes
                 self.scratch_bytes += -(-region[1] // self.SCRATCH_ALIGN) * self.SCRATCH_ALIGN
             pointers.append((pos, -1, self.scratch[region] + arg.data_ptr() - region[0]))
-        grid_xyz = tuple(grid) + (1,) * (3 - len(grid))
-        self.launches.append((compiled, trailing, grid_xyz, tuple(literals), tuple(pointers)))
+        self.launches.append((compiled, trailing, _grid_xyz(grid), tuple(literals), tuple(pointers)))
 
     def same_launches(self, other):
         return self.scratch_bytes == other.scratch_bytes and len(self.launches) == len(other.launches) and all(
@@ -176,8 +175,7 @@ class _CallRecord:
             args = list(literals)
             for pos, root, offset in pointers:
                 args[pos] = (scratch_ptr if root < 0 else root_ptrs[root]) + offset
-            compiled.run(*grid_xyz, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *trailing)
+            _call_compiled(compiled, trailing, grid_xyz, stream, args)
         # The scratch goes back to the caching allocator now: stream-ordered, so only work queued after these
         # launches can reuse it, as with the scratch tensors of a call that is not replayed.
         del scratch
@@ -240,10 +238,17 @@ def launch(kernel, grid, *args, **kwargs):
             plan.recording.add(*cached, grid, device, args)
 
 
+def _grid_xyz(grid):
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
+def _call_compiled(compiled, trailing, grid_xyz, stream, args):
+    """One launch through the compiled kernel's launcher (no launch hooks: ``_jit_only`` routes those to the JIT)."""
+    compiled.run(*grid_xyz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *trailing)
+
+
 def _run(compiled, trailing, grid, device, args):
-    grid_x, grid_y, grid_z = tuple(grid) + (1,) * (3 - len(grid))
-    compiled.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *trailing)
+    _call_compiled(compiled, trailing, _grid_xyz(grid), driver.active.get_current_stream(device), args)
 
 
 def _check_plan_entry(entry, kernel, device, args, kwargs):
