@@ -84,10 +84,12 @@ def _gate_grads_kernel(
             du_over_phi = y_dout * dgate  # dL/du without its Phi factor, constant over tokens
             dphi_acc += gate * y_dout
             dzeta_acc += du_over_phi * z_f
-            dz = tl.sum(du_over_phi * dz_weight, axis=0)
-            dz_tokens = t0 + tl.arange(0, BLOCK_T)[:, None]
-            tl.store(dz_ptr + dz_base + dz_tokens * (H * P) + cols_2d, dz.to(dz_ptr.dtype.element_ty),
-                     mask=(dz_tokens < last) & (cols_2d < P))
+            # Stored as a [ranks, tokens, cols] tile that only rank 0 writes: in the tiles' own layout, where
+            # a [tokens, cols] store took a layout conversion through shared memory and a barrier every block.
+            dz = tl.sum(du_over_phi * dz_weight, axis=0, keep_dims=True)
+            dz_tokens = t0 + offs_t
+            tl.store(dz_ptr + dz_base + dz_tokens * (H * P) + cols + ranks * 0, dz.to(dz_ptr.dtype.element_ty),
+                     mask=(dz_tokens < last) & (cols < P) & (ranks == 0))
         else:
             dphi_acc += y_dout
         raw_y, dout, z = raw_y_next, dout_next, z_next
