@@ -278,8 +278,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
         # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
         # spill included); N = 256 spills 1.1 KB at that cap and runs uncapped.
+        # At N <= 64 a 128 cap fits four (16-24 B of spill): sweeps of 71fea87 (2026-12-04_h200_sweep_71fea87_
+        # out_cap*.json, graph us, 168 -> 128) N16_P64_R4_C8 303 -> 279 (chunk_scan 156 -> 132), N32_P64_R4_C16
+        # 298 -> 273, N64_P64_R4_C16 370 -> 347, N64_P128_R4_C16 521 -> 507, without Z (gate in chunk_scan)
+        # N64_P128 395 -> 364; at N = 128 it spills 136-248 B and loses (N128_P64_R4_C16 440 -> 473, R8_C8
+        # 888 -> 957, N128_P128 835 -> 881) but for R1_C64 (157 -> 153, 141 -> 139: within noise, not taken).
         out_num_warps = 4
-        if N <= 128:
+        if N <= 64:
+            out_max_registers = 128
+        elif N <= 128:
             out_max_registers = 168
         if not gate_in_scan:
             gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
