@@ -214,9 +214,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # R2_C32 365 -> 238, R1_C64 238 -> 172.  Without Z there is no sigmoid for gate_grads to save, and the
     # fused stage stays faster on the small shapes (graph us, fused at 932c232 -> split at ba767ee, same fused
     # kernel and config without Z): N16 255 -> 297, N32 239 -> 265, N64_P64 365 -> 380; P = 128 and N = 128
-    # keep the split stage (N64_P128 610 -> 506, N128_P32 421 -> 318, N128_P64_R4_C16 407 -> 385).
+    # keep the split stage (N64_P128 610 -> 506, N128_P32 421 -> 318, N128_P64_R4_C16 407 -> 385).  With
+    # chunk_scan at 128 registers N = 64 joins them (sweep of f51bf7f without Z, fused -> gate in chunk_scan:
+    # N64_P64_R4_C16 293 -> 281; N32 219 -> 219).
     if split_gate is None:
-        split_gate = has_z or N > 64 or p_pow > 64
+        split_gate = has_z or N >= 64 or p_pow > 64
     out_block_p = min(p_pow, 64)
     # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4:
     # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us, a since-reverted kernel variant):
