@@ -75,14 +75,23 @@ def test_sweep_of_the_output_stage_starts_from_the_dispatchers_config_for_it():
     assert sorted(c.gate_tokens for c in split) == [32, 64, 128, 256, 512]
 
 
-@pytest.mark.parametrize("N,P,has_z,split", [(16, 64, True, True), (16, 64, False, False), (64, 64, False, False),
-                                             (64, 128, False, True), (128, 32, False, True)])
+@pytest.mark.parametrize("N,P,has_z,split", [(16, 64, True, True), (16, 64, False, False), (32, 64, False, False),
+                                             (64, 64, False, True), (64, 128, False, True), (128, 32, False, True)])
 def test_dispatcher_output_stage(N, P, has_z, split):
-    """The split stage everywhere with Z; without Z the fused stage on N <= 64, P <= 64 (optimization.md 16)."""
+    """The split stage everywhere with Z; without Z the fused stage on N <= 32, P <= 64 (optimization.md 16, 23)."""
     shape = dict(SHAPE, N=N, P=P)
     config = choose_config(**shape, has_z=has_z)
     assert config.split_gate is split
     assert config == choose_config(**shape, has_z=has_z, split_gate=split)
+
+
+@pytest.mark.parametrize("N,P,has_z,cap", [(16, 64, True, 128), (64, 128, True, 128), (64, 64, False, 128),
+                                           (128, 64, True, 168), (128, 64, False, 168), (256, 64, True, 0)])
+def test_dispatcher_chunk_scan_register_cap(N, P, has_z, cap):
+    """chunk_scan fits four programs an SM at N <= 64 (128 registers), three at N = 128 (168); N = 256 runs
+    uncapped (optimization.md 15, 23)."""
+    config = choose_config(**dict(SHAPE, N=N, P=P), has_z=has_z)
+    assert config.split_gate and config.out_max_registers == cap
 
 
 @pytest.mark.parametrize("N,P,R,C,state_span", [(16, 64, 4, 8, 2), (32, 64, 4, 16, 1), (256, 64, 4, 8, 1),
