@@ -85,8 +85,24 @@ def parse_config(text):
     return {key: int(value) for key, value in (kv.split("=") for kv in text.split(",") if kv)}
 
 
+def nvidia_tool(name):
+    """Path of a CUDA binary tool shipped in Triton's wheel (cuobjdump, nvdisasm, ptxas)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def official_launches(case, config_text="", z=True):
+    """(name, args, kwargs) of every launch of one bf16 production call on an official shape (B=4, S=2048,
+    H=16, G=1), configured as the dispatcher would on an H200 with the ``key=value,...`` overrides."""
+    shape = parse_case(case)
+    config = dataclasses.replace(choose_config(B=4, H=16, S=2048, num_sms=132, has_z=z, **shape),
+                                 **parse_config(config_text or ""))
+    inputs = empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=z, **shape)
+    return capture_launches(
+        lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
+
+
 def resources(kernel):
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = nvidia_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()

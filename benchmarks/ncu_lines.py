@@ -13,7 +13,6 @@ profiled, hundreds when the kernel's source has changed since (then check out th
 import argparse
 import collections
 import csv
-import dataclasses
 import gzip
 import io
 import os
@@ -22,30 +21,20 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aot_report  # noqa: E402
-from mamba3_mimo import api  # noqa: E402
-from mamba3_mimo.bench import parse_case  # noqa: E402
-from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 
 def local_lines(case, kernel_name, config_text):
     """{offset: (opcode, 'file:line')} of the kernel as compiled here for sm_90."""
     aot_report.compile_as_cuda()
-    shape = parse_case(case)
-    config = dataclasses.replace(choose_config(B=4, H=16, S=2048, num_sms=132, **shape),
-                                 **aot_report.parse_config(config_text or ""))
-    inputs = aot_report.empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=True, **shape)
-    launches = aot_report.capture_launches(
-        lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
+    launches = aot_report.official_launches(case, config_text)
     # the state scan that stores the states, where two passes launch it twice
     name, launch_args, kwargs = next(launch for launch in launches if launch[0] == kernel_name
                                      and launch[2].get("STORE_STATES", True))
     kernel = aot_report.compile_launch(name, launch_args, kwargs)
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    nvdisasm = aot_report.nvidia_tool("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()

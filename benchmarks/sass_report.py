@@ -13,22 +13,16 @@ instructions by kind.
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import aot_report  # noqa: E402
-from mamba3_mimo import api  # noqa: E402
-from mamba3_mimo.bench import parse_case  # noqa: E402
-from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 KINDS = {
     "LDG": "global load", "STG": "global store", "LDS": "shared load", "STS": "shared store",
@@ -55,7 +49,7 @@ def kind(opcode):
 
 def sass_ops(kernel):
     """[(address, opcode)] of a compiled kernel's SASS."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = aot_report.nvidia_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -89,13 +83,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     aot_report.compile_as_cuda()
     for case in args.cases:
-        shape = parse_case(case)
-        config = dataclasses.replace(choose_config(B=4, H=16, S=2048, num_sms=132, **shape),
-                                     **aot_report.parse_config(args.config or ""))
-        inputs = aot_report.empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=not args.no_z, **shape)
-        launches = aot_report.capture_launches(
-            lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
-        for name, launch_args, kwargs in launches:
+        for name, launch_args, kwargs in aot_report.official_launches(case, args.config, z=not args.no_z):
             if name == "state_scan":  # the end-state pass, or the pass that stores the states
                 name += " (stores states)" if kwargs["STORE_STATES"] else " (end states)"
             ops = sass_ops(aot_report.compile_launch(name.split()[0], launch_args, kwargs))
