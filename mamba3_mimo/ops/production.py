@@ -301,14 +301,18 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
-    """Tokens per ``gate_grads`` program: 32 tiles, fewer while that leaves under 2 programs per SM.
+    """Tokens per ``gate_grads`` program: 128 tiles, fewer while that leaves under 2 programs per SM.
 
     Sweep of cfaa417 (gate_grads us at 32 / 64 / 128 / 256 tokens): N128_P64_R4_C16 116 / 83 / 66 / 56,
     N64_P128_R4_C16 219 / 159 / 128 / 112, N128_P64_R8_C8 179 / 161 / 153 / 189 (8-token tiles at R = 4,
-    4-token tiles at R = 8: the best is 32 tiles a program in both).
+    4-token tiles at R = 8: the best is 32 tiles a program in both, before the dz store lost its barrier).
+    Sweep of ee6b22c, after the dz store lost its barrier (2026-12-04_h200_sweep_ee6b22c_gate_tokens.json, graph us
+    at 128 / 256 / 512 tokens): N64_P128_R4_C16 525 / 508 / 497, N128_P128_R4_C8 853 / 835 / 825, R8_C8 888 / 883 /
+    875, N128_P64_R4_C16 451 / 441 / 460 (512 tokens leave it 1.9 programs an SM).  Starting from 128 tiles moves
+    the P = 128 shapes to 512 tokens and R8_C8 to 256; every other official shape keeps its count.
     """
     meta = gate_grads_meta(R=R, P=P)
-    tokens = 32 * meta["BLOCK_T"]
+    tokens = 128 * meta["BLOCK_T"]
     pblocks = cdiv(P, meta["BLOCK_P"])
     while tokens > meta["BLOCK_T"] and B * H * pblocks * cdiv(S, tokens) < 2 * num_sms:
         tokens //= 2
