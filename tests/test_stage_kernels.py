@@ -116,13 +116,14 @@ def test_production_rotation_table_dtype(monkeypatch, dtype, want):
     assert asked == [want]
 
 
-@pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128)])
+@pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128), (40, 8, 48)])
 @pytest.mark.parametrize("has_z", [True, False])
 @pytest.mark.parametrize("tokens_per_program", [64, 20])
 def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
     """dz, and the per-range partials of dPhi / dZeta summed over ranges, against the formulas of
     SPEC section 3 in float64: partial token blocks and ranges, several ranges (20 tokens, rounded up
-    to whole tiles), two P blocks (P = 128), P past a power of two, ranks not a power of two."""
+    to whole tiles), two P blocks (P = 128; P = 48 at R = 8, whose blocks are 32 wide), a partial P
+    block, ranks not a power of two."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 2
     raw_y = torch.randn((B, H, S, R, P), generator=gen, dtype=torch.float32)
@@ -155,6 +156,16 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
         gate = torch.ones_like(y)
         assert dzeta_part is None
     torch.testing.assert_close(dphi_part.cpu().double().sum(2), (gate * y * g).sum(2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 8, 16])
+def test_gate_grads_meta_keeps_ranks_in_a_warp(R):
+    """A tile's ranks times its 8-column lanes fit one warp (dz's rank sum without shared memory), with
+    2048-element tiles: R = 8 takes 32 columns where R <= 4 takes 64."""
+    meta = gate_grads_meta(R=R, P=128)
+    assert meta["BLOCK_R"] * meta["BLOCK_P"] // 8 <= 32
+    assert meta["BLOCK_P"] == {8: 32, 16: 16}.get(R, 64)
+    assert meta["BLOCK_R"] * meta["BLOCK_T"] * meta["BLOCK_P"] == 2048
 
 
 @pytest.mark.parametrize("give", ["both", "neither"])

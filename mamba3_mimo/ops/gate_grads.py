@@ -27,6 +27,10 @@ from .triton_utils import silu_and_grad
 # is four 16-byte fp32 loads and the two fp32 running sums take 32 registers (128 in all, 4 CTAs per SM).
 TILE_ELEMENTS = 2048
 MAX_BLOCK_P = 64
+# Lanes of a warp: a tile's ranks times its column lanes (8 columns each) fit in one warp, so dz's rank sum
+# stays inside the warp.  At R = 8 a 64-column tile split its ranks over two warps: a shared-memory sum and
+# 255 registers a thread (2 CTAs per SM); 32 columns keep it to 128.
+WARP_LANES = 32
 
 
 @triton.jit
@@ -103,9 +107,10 @@ def _gate_grads_kernel(
 
 
 def gate_grads_meta(*, R, P):
-    """Tile sizes of ``gate_grads``: BLOCK_R = next_pow2(R) ranks, up to 64 columns, the rest tokens."""
+    """Tile sizes of ``gate_grads``: BLOCK_R = next_pow2(R) ranks, up to 64 columns (fewer from R = 8 on,
+    so that ranks x column lanes fit one warp), the rest tokens."""
     block_r = next_power_of_2(R)
-    block_p = min(MAX_BLOCK_P, next_power_of_2(P))
+    block_p = min(MAX_BLOCK_P, max(1, WARP_LANES // block_r) * 8, next_power_of_2(P))
     block_t = max(1, TILE_ELEMENTS // (block_r * block_p))
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p)
 
