@@ -49,7 +49,8 @@ def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z):
 
 @pytest.mark.parametrize("S,C,chunks_per_segment,n_segments", [(70, 16, 2, 3), (64, 8, 3, 3), (256, 16, 4, 4)])
 def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
-    """entry_0 = 0, entry_{s+1} = exp(segment log decay) entry_s + end_s, with partial state tiles."""
+    """entry_0 = 0, entry_{s+1} = exp(segment log decay) entry_s + end_s, with partial state tiles; the
+    returned table holds each chunk's decay from its segment's start (a partial last segment and chunk)."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H, N, P = 2, 2, 24, 48  # N * P = 1152: one full and one partial tile of 1024
     nch = math.ceil(S / C)
@@ -58,8 +59,14 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
     da_cs = torch.cat([da[..., c * C:(c + 1) * C].cumsum(-1) for c in range(nch)], dim=-1)
     ends = torch.randn((B, H, n_segments, N, P), generator=gen, dtype=torch.float32)
     seg_state = ends.clone().to(DEVICE)
-    segment_entry_states(seg_state=seg_state, da_cs=da_cs.to(DEVICE), chunk_size=C,
-                         chunks_per_segment=chunks_per_segment)
+    entry_decay = segment_entry_states(seg_state=seg_state, da_cs=da_cs.to(DEVICE), chunk_size=C,
+                                       chunks_per_segment=chunks_per_segment)
+    assert entry_decay.shape == (B, H, nch) and entry_decay.dtype == torch.float32
+    chunk_log_decay = da_cs[..., [min(c * C + C - 1, S - 1) for c in range(nch)]].double()
+    for c in range(nch):
+        first = c // chunks_per_segment * chunks_per_segment
+        want = chunk_log_decay[..., first:c].sum(-1).exp()
+        torch.testing.assert_close(entry_decay[..., c].cpu().double(), want, atol=0, rtol=1e-6)
     entry = torch.zeros((B, H, N, P), dtype=torch.float64)
     for s in range(n_segments):
         torch.testing.assert_close(seg_state[:, :, s].cpu().double(), entry, atol=1e-5, rtol=1e-5)

@@ -38,13 +38,13 @@ from .triton_utils import (
 def _chunk_output_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, z_ptr, cos_ptr, sin_ptr,
     q_bias_ptr, k_bias_ptr, psi_ptr, phi_ptr, zeta_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr,
     qk_dot_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_PROGRAM, N_GROUPS, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
-    ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_Z: tl.constexpr,
+    ADD_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
 ):
@@ -103,8 +103,8 @@ def _chunk_output_kernel(
         q_tok_mask = q_valid & (t_q < S)  # false for every row of a span past S
 
         state_lo, state_hi = load_entering_state(
-            states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-            half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
+            states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+            offs_half, half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
         state_lo = state_lo.to(DOT_DTYPE)
         state_hi = state_hi.to(DOT_DTYPE)
 
@@ -203,7 +203,7 @@ def sum_dtype(dot_dtype, device):
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, gamma, trap_scale, states, qk_dot, dz,
                  chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
-                 ranks_per_step=1, span_chunks=1, seg_entry=None, chunks_per_segment=1):
+                 ranks_per_step=1, span_chunks=1, seg_entry=None, entry_decay=None, chunks_per_segment=1):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
 
     A program's unit is a span of ``span_chunks`` chunks treated as one chunk of span_chunks * C
@@ -213,7 +213,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     ``ranks_per_step`` query ranks share one query tile (rows = (token, rank) pairs), so a chunk takes
     ceil(R / ranks_per_step) serial steps; 1 is the per-rank loop.
 
-    With ``seg_entry`` (from ``segment_entry_states``), ``states`` holds segment-local states on
+    With ``seg_entry`` and ``entry_decay`` (from ``segment_entry_states``), ``states`` holds segment-local states on
     entry (``chunk_local_states``, segments of ``chunks_per_segment`` chunks) and the full states
     on return.
 
@@ -222,7 +222,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         mimo_v, mimo_o, mimo_z: [H, R, P] fp32 (mimo_z may be None); d: [H] fp32 or None;
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``);
         states: [B, H, nch, N, P] from ``chunk_states`` or ``chunk_local_states``;
-        seg_entry: [B, H, n_segments, N, P] fp32 or None;
+        seg_entry: [B, H, n_segments, N, P] fp32 or None; entry_decay: [B, H, nch] fp32 (with seg_entry);
         qk_dot: [B, H, S, R, R]; dz: [B, S, H, P] or None.
     Returns:
         dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 with
@@ -231,6 +231,8 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
+    if (seg_entry is None) != (entry_decay is None):
+        raise ValueError("chunk_output: seg_entry and entry_decay go together (segment_entry_states)")
     nch = cdiv(S, chunk_size)
     n_groups = cdiv(cdiv(nch, span_chunks), chunks_per_program)
     has_z = z is not None
@@ -240,14 +242,13 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         q, k, v, dout, z if has_z else dout, cos_angles, sin_angles,
         q_bias, k_bias, mimo_v, mimo_o, mimo_z if has_z else mimo_o, d if d is not None else q_bias,
         da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry,
-        qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
+        da_cs if entry_decay is None else entry_decay, qk_dot, dz if has_z else dout, dphi, dzeta if has_z else dphi,
         S, H, G, H // G, nch, chunks_per_program, n_groups, chunks_per_segment,
         1 if seg_entry is None else seg_entry.shape[2],
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3],
         **output_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, ranks_per_step=ranks_per_step,
                       span_chunks=span_chunks),
         ADD_ENTRY=seg_entry is not None,
-        BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         SUM_DTYPE=sum_dtype(dot_dtype, q.device), FAST_SIGMOID=host_utils.compiled_for_gpu(q),
         num_warps=num_warps, num_stages=1,

@@ -35,11 +35,11 @@ from .triton_utils import (
 @triton.jit
 def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
@@ -82,8 +82,8 @@ def _span_raw_y(
     angle_seq = (b * S * H + h) * RD
 
     state_lo, state_hi = load_entering_state(
-        states_ptr, seg_entry_ptr, da_cs_seq, bh, first_chunk, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-        half_mask, offs_p, p_mask, C, N, P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS)
+        states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+        half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
 
     # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
     # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
@@ -141,11 +141,11 @@ def _span_raw_y(
 @triton.jit
 def _chunk_scan_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr, raw_y_ptr,
-    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
+    raw_y_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -156,9 +156,9 @@ def _chunk_scan_kernel(
     for step in tl.static_range(SPANS_PER_PROGRAM):
         raw_y, t_rows, row_r, row_mask, offs_p, p_mask = _span_raw_y(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
-            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS, HAS_D,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
@@ -169,12 +169,12 @@ def _chunk_scan_kernel(
 @triton.jit
 def _chunk_scan_gate_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
     dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, N_SPANS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr, HAS_D: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr,
 ):
@@ -194,9 +194,9 @@ def _chunk_scan_gate_kernel(
         span = first_span + step
         raw_y, _, _, _, offs_p, p_mask = _span_raw_y(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, qk_dot_ptr,
+            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, BLOCK_SEG_CHUNKS, HAS_D,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
@@ -233,21 +233,23 @@ def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
 
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, dout=None, z=None,
-               mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None, chunks_per_segment=1,
+               mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None, entry_decay=None,
+               chunks_per_segment=1,
                max_registers=0, spans_per_program=1):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
     A program takes ``spans_per_program`` spans, each of ``span_chunks`` chunks read as one chunk of
-    span_chunks * C tokens, and one P tile of ``block_p`` columns.  With ``seg_entry`` (from ``segment_entry_states``),
-    ``states`` holds segment-local states on entry (``chunk_local_states``, segments of
+    span_chunks * C tokens, and one P tile of ``block_p`` columns.  With ``seg_entry`` and ``entry_decay`` (from
+    ``segment_entry_states``), ``states`` holds segment-local states on entry (``chunk_local_states``, segments of
     ``chunks_per_segment`` chunks) and the full states on return.  ``max_registers`` caps the
     registers per thread (0: the compiler's choice).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32 or fp16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``); states: [B, H, nch, N, P];
-        seg_entry: [B, H, n_segments, N, P] fp32 or None; qk_dot: [B, H, S, R, R];
+        seg_entry: [B, H, n_segments, N, P] fp32 or None; entry_decay: [B, H, nch] fp32 (with seg_entry);
+        qk_dot: [B, H, S, R, R];
         raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip), None with ``dout``;
         dout, z: [B, S, H, P] (z may be None); mimo_o, mimo_z: [H, R, P] fp32 (mimo_z None without z);
         dz: [B, S, H, P] or None (without z).
@@ -257,6 +259,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     """
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
+    if (seg_entry is None) != (entry_decay is None):
+        raise ValueError("chunk_scan: seg_entry and entry_decay go together (segment_entry_states)")
     if (raw_y is None) == (dout is None):
         raise ValueError("chunk_scan: pass raw_y (the scratch to fill) or dout (apply the gate), not both")
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
@@ -269,11 +273,11 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     n_spans = cdiv(nch, span_chunks)
     grid = (cdiv(P, block_p), cdiv(n_spans, spans_per_program), B * H)
     inputs = (q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
-              da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry, qk_dot)
+              da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry,
+              da_cs if entry_decay is None else entry_decay, qk_dot)
     sizes = (S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2])
     constants = dict(
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta, ADD_ENTRY=seg_entry is not None,
-        BLOCK_SEG_CHUNKS=1 if seg_entry is None else next_power_of_2(chunks_per_segment),
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:

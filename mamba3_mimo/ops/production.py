@@ -367,11 +367,11 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     handoff = states
     if torch.finfo(states.dtype).eps > input_eps:
         handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
-    seg_entry = None
+    seg_entry = entry_decay = None
     if local:
         seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
-        segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
-                             chunks_per_segment=chunks_per_segment)
+        entry_decay = segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
+                                           chunks_per_segment=chunks_per_segment)
     else:
         # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
         # twice within a call, which keeps a recorded call's scratch layout the same from call to call.
@@ -382,7 +382,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
         chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
         num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-        chunks_per_segment=chunks_per_segment)
+        entry_decay=entry_decay, chunks_per_segment=chunks_per_segment)
     if config.split_gate and config.gate_in_scan:
         dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                  max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
@@ -403,7 +403,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                    dot_dtype=dot_dtype, dot_precision=dot_precision,
                                    num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
                                    span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-                                   chunks_per_segment=chunks_per_segment)
+                                   entry_decay=entry_decay, chunks_per_segment=chunks_per_segment)
     if handoff is not states:
         forbid_replay()  # a torch copy between the launches: a call replay would miss it
         states.copy_(handoff)

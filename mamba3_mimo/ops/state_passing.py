@@ -7,15 +7,16 @@ its end state ``end_s`` counts its own tokens only.  The state entering segment 
 
 a serial walk over ``n_segments`` small steps, elementwise over the [N, P] state: one program per
 (b, h, tile of the flattened state).  It overwrites ``seg_state`` in place (entry s replaces
-end s, which only the step s read).
+end s, which only the step s read), and writes the table ``entry_decay`` of each chunk's decay from
+its segment's start, which the output stage scales the entry state by.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
-from .triton_utils import chunk_run_log_decay
 
 # Elements of the flattened [N, P] state per program: a (b, h) takes N * P / 1024 programs.
 BLOCK_STATE = 1024
@@ -23,7 +24,7 @@ BLOCK_STATE = 1024
 
 @triton.jit
 def _segment_entry_kernel(
-    seg_state_ptr, da_cs_ptr, S, CHUNKS_PER_SEG, N_SEGMENTS,
+    seg_state_ptr, da_cs_ptr, entry_decay_ptr, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, STATE_SIZE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
 ):
     bh = tl.program_id(1).to(tl.int64)
@@ -32,28 +33,42 @@ def _segment_entry_kernel(
     seg_seq = seg_state_ptr + bh * N_SEGMENTS * STATE_SIZE + offs
     da_cs_seq = da_cs_ptr + bh * S
     entry = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, N_SEGMENTS - 1):
-        end = tl.load(seg_seq + s * STATE_SIZE, mask=mask, other=0.0)
+    idx = tl.arange(0, BLOCK_SEG_CHUNKS)
+    for s in range(0, N_SEGMENTS):
+        # The log decays of the segment's chunks (da_cs at a chunk's last valid token): their sum decays the
+        # entry state across the segment, their exclusive running sum is each chunk's decay from the segment's
+        # start (the table the output stage scales the entry state by; one program per (b, h) stores it).
+        chunk = s * CHUNKS_PER_SEG + idx
+        valid = (idx < CHUNKS_PER_SEG) & (chunk < NCH)
+        log_decay = tl.load(da_cs_seq + tl.minimum(chunk * C + C - 1, S - 1), mask=valid, other=0.0)
+        if tl.program_id(0) == 0:
+            before = tl.cumsum(log_decay, axis=0) - log_decay
+            tl.store(entry_decay_ptr + bh * NCH + chunk, tl.exp(before), mask=valid)
+        # The last segment's end state is not needed: its slot only receives the entry state.
+        end = tl.load(seg_seq + s * STATE_SIZE, mask=mask & (s < N_SEGMENTS - 1), other=0.0)
         tl.store(seg_seq + s * STATE_SIZE, entry, mask=mask)
-        # Every segment but the last holds CHUNKS_PER_SEG whole chunks inside the sequence.
-        seg_decay = tl.exp(chunk_run_log_decay(da_cs_seq, s * CHUNKS_PER_SEG, CHUNKS_PER_SEG, S, C,
-                                               BLOCK_SEG_CHUNKS))
-        entry = entry * seg_decay + end
-    tl.store(seg_seq + (N_SEGMENTS - 1) * STATE_SIZE, entry, mask=mask)
+        entry = entry * tl.exp(tl.sum(log_decay, axis=0)) + end
 
 
 def segment_entry_states(*, seg_state, da_cs, chunk_size, chunks_per_segment):
-    """Turn the segments' end states into their entry states, in place.
+    """Turn the segments' end states into their entry states, in place, and return each chunk's decay from
+    its segment's start (what the output stage scales a segment's entry state by).
 
     Args:
         seg_state: [B, H, n_segments, N, P] fp32 from ``chunk_local_states`` (end states; the last
             entry is ignored), overwritten with the entry states (entry 0 is zeros);
         da_cs: [B, H, S] fp32; chunk_size; chunks_per_segment: chunks of every segment but the last.
+    Returns:
+        entry_decay: [B, H, nch] fp32, exp(sum of the log decays of the segment's chunks before chunk c)
+        (1 for a segment's first chunk).
     """
     B, H, n_segments, N, P = seg_state.shape
     S = da_cs.shape[2]
+    nch = cdiv(S, chunk_size)
+    entry_decay = torch.empty((B, H, nch), device=seg_state.device, dtype=torch.float32)
     launch(_segment_entry_kernel, (cdiv(N * P, BLOCK_STATE), B * H),
-        seg_state, da_cs, S, chunks_per_segment, n_segments,
+        seg_state, da_cs, entry_decay, S, nch, chunks_per_segment, n_segments,
         C=chunk_size, STATE_SIZE=N * P, BLOCK=BLOCK_STATE, BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         num_warps=4,
     )
+    return entry_decay

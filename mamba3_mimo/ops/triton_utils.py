@@ -273,17 +273,16 @@ def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_po
 
 
 @triton.jit
-def load_entering_state(states_ptr, seg_entry_ptr, da_cs_seq_ptr, bh, first_chunk, S, NCH, CHUNKS_PER_SEG,
-                        N_SEGMENTS, offs_half, half_mask, offs_p, p_mask, C: tl.constexpr, N: tl.constexpr,
-                        P: tl.constexpr, SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr,
-                        BLOCK_SEG_CHUNKS: tl.constexpr):
+def load_entering_state(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG,
+                        N_SEGMENTS, offs_half, half_mask, offs_p, p_mask, N: tl.constexpr, P: tl.constexpr,
+                        SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr):
     """The state entering chunk ``first_chunk`` of one (b, h), as fp32 halves [half, cols] (rows n, N/2 + n).
 
     ``states_ptr`` points at states [B, H, nch, N, P].  With ADD_ENTRY it holds segment-local
     states (``chunk_local_states``): each of the SPAN_CHUNKS chunks from ``first_chunk`` on gets
-    its segment's entry state (``seg_entry_ptr``, [B, H, n_segments, N, P] fp32) decayed from the
-    segment start added, and is written back whole; the first one is returned.  A chunk past NCH
-    reads zeros and writes nothing.
+    its segment's entry state (``seg_entry_ptr``, [B, H, n_segments, N, P] fp32) times its decay from the
+    segment start (``entry_decay_ptr``, [B, H, nch] fp32, from ``segment_entry_states``) added, and is
+    written back whole; the first one is returned.  A chunk past NCH reads zeros and writes nothing.
     """
     HALF: tl.constexpr = N // 2
     state_offs = offs_half[:, None] * P + offs_p[None, :]
@@ -295,9 +294,9 @@ def load_entering_state(states_ptr, seg_entry_ptr, da_cs_seq_ptr, bh, first_chun
         for i in tl.static_range(SPAN_CHUNKS):
             chunk = first_chunk + i
             seg = chunk // CHUNKS_PER_SEG
-            seg_first = seg * CHUNKS_PER_SEG
-            entry_scale = tl.exp(chunk_run_log_decay(da_cs_seq_ptr, seg_first, chunk - seg_first, S, C,
-                                                     BLOCK_SEG_CHUNKS))
+            # One scalar load: the decay was a sum over the segment's earlier chunks, a block reduction
+            # (shared memory and a barrier) on every program's path to its states.
+            entry_scale = tl.load(entry_decay_ptr + bh * NCH + chunk, mask=chunk < NCH, other=0.0)
             entry_tile = seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + state_offs
             fix_mask = tile_mask & (chunk < NCH) & (seg > 0)  # segment 0 enters from zero
             if i == 0:
