@@ -16,6 +16,7 @@ from conftest import seed_for
 from mamba3_mimo.api import bwd_fwd
 from mamba3_mimo.inputs import make_inputs
 from mamba3_mimo.ops import production
+from mamba3_mimo.ops.chunk_output import chunk_output
 from mamba3_mimo.ops.chunk_scan import chunk_scan
 from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
 from mamba3_mimo.ops.group_sum import sum_group_partials
@@ -185,3 +186,20 @@ def test_chunk_scan_takes_raw_y_or_dout(give):
     chosen = dict(raw_y=x, dout=act) if give == "both" else {}
     with pytest.raises(ValueError, match="raw_y .* or dout"):
         chunk_scan(**tensors, **chosen, chunk_size=4, block_p=16, dot_dtype=None, dot_precision=None)
+
+
+@pytest.mark.parametrize("stage", ["chunk_scan", "chunk_output"])
+@pytest.mark.parametrize("give", ["seg_entry", "entry_decay"])
+def test_output_stages_take_entry_states_with_their_decays(stage, give):
+    """The segment entry states and the per-chunk decay table come together (both from segment_entry_states):
+    one without the other is refused before any launch."""
+    x = torch.zeros(1, 4, 1, 1, 16)
+    act = torch.zeros(1, 4, 1, 16)
+    tensors = dict(q=x, k=x, v=act, cos_angles=act, sin_angles=act, q_bias=x, k_bias=x, mimo_v=act, d=None,
+                   da_cs=act, da_cs_rev=act, gamma=act, trap_scale=act, states=x, qk_dot=x, chunk_size=4,
+                   block_p=16, dot_dtype=None, dot_precision=None, **{give: x})
+    with pytest.raises(ValueError, match="seg_entry and entry_decay go together"):
+        if stage == "chunk_scan":
+            chunk_scan(**tensors, raw_y=x)
+        else:
+            chunk_output(**tensors, dout=act, z=None, mimo_o=act, mimo_z=None, dz=None, chunks_per_program=1)
