@@ -224,6 +224,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         state_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         gate_in_scan=[False, True],
         scan_prefetch=[False, True],
+        half_raw_y=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -293,23 +293,26 @@ def test_production_split_gate(check_kernel, case, dtype):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="needs the interpreter, whose products are fp32-exact (bf16 GPU products round)")
-def test_split_gate_scratch_keeps_fp32(check_kernel, monkeypatch):
-    """bf16 activations, fp32 outputs: nothing between chunk_scan and gate_grads rounds below fp32.
+@pytest.mark.parametrize("half_raw_y,bound", [(False, 1e-5), (True, 1e-3)])
+def test_split_gate_scratch_rounding(check_kernel, monkeypatch, half_raw_y, bound):
+    """bf16 activations, fp32 outputs: what the raw_y scratch between chunk_scan and gate_grads rounds.
 
-    dz sums raw_y over ranks, so where the terms cancel a rounded scratch shows up in full: with raw_y
-    stored in bf16, dz came out 3e-3 off normwise here (1e-7 in fp32), and on the GPU its MERE went over
-    the dual benchmark (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1 at 9d55f71).  The rotation tables are held
-    at fp32 here: bf16 activations get fp16 tables, whose 2^-12 shows at ~1e-5 in the interpreter's fp32
-    products (on the GPU the products take bf16 operands, 2^-9), and this test measures the scratch alone.
+    dz sums raw_y over ranks, so where the terms cancel the scratch's rounding shows in full: with raw_y
+    stored in bf16 (2^-9), dz came out 3e-3 off normwise here (1e-7 in fp32), and on the GPU its MERE went
+    over the dual benchmark (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1 at 9d55f71).  The fp16 scratch with a
+    power-of-two scale per row (2^-12) measured 2.4e-4 (dz) and 3.1e-4 (dPhi) here; fp32 stays below 1e-5.
+    The rotation tables are held at fp32: bf16 activations get fp16 tables, whose 2^-12 shows at ~1e-5 in the
+    interpreter's fp32 products (on the GPU the products take bf16 operands, 2^-9), and this test measures the
+    scratch alone.
     """
     monkeypatch.setattr(production, "rotation_table_dtype", lambda *dtypes: torch.float32)
     # No launch plan: the call runs its wrappers (a recorded call of the same key would replay fp16 tables).
     monkeypatch.setattr(api, "launch_plan_key", lambda *args: None)
-    config = ScanConfig(block_p=16, n_segments=1, out_block_p=16, split_gate=True)
+    config = ScanConfig(block_p=16, n_segments=1, out_block_p=16, split_gate=True, half_raw_y=half_raw_y)
     checks = check_kernel("production", B=1, S=32, H=2, G=1, N=32, P=16, R=2, chunk_size=16, dtype=BF16, z=True,
                           d=True, output_dtype=F32, config=config)
     normwise = {c.name: c.normwise for c in checks if c.name in ("dz", "dmimo_o")}
-    assert max(normwise.values()) < 1e-5, normwise
+    assert max(normwise.values()) < bound, normwise
 
 
 def pad_to_whole_chunks(inputs):

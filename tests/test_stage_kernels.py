@@ -124,17 +124,61 @@ def test_production_rotation_table_dtype(monkeypatch, dtype, want):
     assert asked == [want]
 
 
+@pytest.mark.parametrize("dtype,want", [(torch.bfloat16, torch.float16), (torch.float16, torch.float32),
+                                        (torch.float32, torch.float32)])
+@pytest.mark.parametrize("half_raw_y", [True, False])
+def test_production_raw_y_scratch_dtype(monkeypatch, dtype, want, half_raw_y):
+    """The split output stage hands gate_grads an fp16 raw_y with its row scales exactly where the products take
+    bf16 operands (and ``half_raw_y`` is on), else fp32 without scales."""
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
+    handed = []
+
+    def recording_gate_grads(**kwargs):
+        handed.append((kwargs["raw_y"].dtype, kwargs["raw_y_scale"] is not None))
+        return gate_grads(**kwargs)
+
+    monkeypatch.setattr(production, "gate_grads", recording_gate_grads)
+    inputs = make_inputs(B=1, S=24, H=2, N=16, P=16, R=2, chunk_size=8, dtype=dtype, device=DEVICE, seed=7)
+    config = production.ScanConfig(block_p=16, n_segments=1, out_block_p=16, split_gate=True, half_raw_y=half_raw_y)
+    bwd_fwd(**inputs, impl="production", config=config)
+    scratch = want if half_raw_y else torch.float32
+    assert handed == [(scratch, scratch == torch.float16)]
+
+
+def encode_raw_y(raw_y, scale_block_p):
+    """chunk_scan's fp16 scratch of an fp32 raw_y [B, H, S, R, P]: each row and P tile of ``scale_block_p``
+    columns scaled by the power of two that puts its largest magnitude in [2^14, 2^15); (fp16, inverse scales)."""
+    B, H, S, R, P = raw_y.shape
+    tiles = -(-P // scale_block_p)
+    padded = torch.nn.functional.pad(raw_y.double(), (0, tiles * scale_block_p - P))
+    row_max = padded.view(B, H, S, R, tiles, scale_block_p).abs().amax(-1)
+    unscale = 2.0 ** (torch.floor(torch.log2(row_max.clamp_min(2.0**-100))) - 14)
+    scaled = padded.view(B, H, S, R, tiles, scale_block_p) / unscale[..., None]
+    return scaled.reshape(B, H, S, R, -1)[..., :P].to(torch.float16), unscale.float()
+
+
 @pytest.mark.parametrize("S,R,P", [(100, 3, 40), (64, 1, 64), (33, 4, 128), (40, 8, 48)])
 @pytest.mark.parametrize("has_z", [True, False])
 @pytest.mark.parametrize("tokens_per_program", [64, 20])
-def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
+@pytest.mark.parametrize("scratch", ["fp32", "fp16"])
+def test_gate_grads(request, S, R, P, has_z, tokens_per_program, scratch):
     """dz, and the per-range partials of dPhi / dZeta summed over ranges, against the formulas of
     SPEC section 3 in float64: partial token blocks and ranges, several ranges (20 tokens, rounded up
     to whole tiles), two P blocks (P = 128; P = 48 at R = 8, whose blocks are 32 wide), a partial P
-    block, ranks not a power of two."""
+    block, ranks not a power of two.  The fp16 scratch with row scales per P tile of 32 columns (two to
+    four scale tiles, the blocks narrowed to them) or 64 (P = 40 and 48: one partial tile), decoded exactly."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 2
     raw_y = torch.randn((B, H, S, R, P), generator=gen, dtype=torch.float32)
+    # Rows of very different magnitudes, so that a wrong row's scale shows.
+    raw_y *= 2.0 ** torch.randint(-4, 5, (B, H, S, R, 1), generator=gen)
+    scaled = {}
+    if scratch == "fp16":
+        scale_block_p = 32 if P in (64, 128) else 64
+        fp16_y, unscale = encode_raw_y(raw_y, scale_block_p)
+        tiles = unscale.repeat_interleave(scale_block_p, dim=-1)[..., :P]
+        raw_y = (fp16_y.double() * tiles.double()).float()  # exact: what the kernel decodes
+        scaled = dict(raw_y_scale=unscale.to(DEVICE), scale_block_p=scale_block_p)
     dout = torch.randn((B, S, H, P), generator=gen, dtype=torch.float32)
     z = torch.randn((B, S, H, P), generator=gen, dtype=torch.float32) if has_z else None
     phi = torch.randn((H, R, P), generator=gen, dtype=torch.float32)
@@ -144,13 +188,18 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
     def dev(x):
         return None if x is None else x.to(DEVICE)
 
-    dphi_part, dzeta_part = gate_grads(raw_y=dev(raw_y), dout=dev(dout), z=dev(z), mimo_o=dev(phi),
-                                       mimo_z=dev(zeta), dz=dz, tokens_per_program=tokens_per_program)
-    block_t = gate_grads_meta(R=R, P=P)["BLOCK_T"]
+    stored = dev(fp16_y) if scratch == "fp16" else dev(raw_y)
+    dphi_part, dzeta_part = gate_grads(raw_y=stored, dout=dev(dout), z=dev(z), mimo_o=dev(phi), mimo_z=dev(zeta),
+                                       dz=dz, tokens_per_program=tokens_per_program, **scaled)
+    block_t = gate_grads_meta(R=R, P=P, **({"max_block_p": scaled["scale_block_p"]} if scaled else {}))["BLOCK_T"]
     range_tokens = -(-tokens_per_program // block_t) * block_t
     assert dphi_part.shape == (B, H, -(-S // range_tokens), R, P)
     y = raw_y.double()
     g = dout.double().permute(0, 2, 1, 3)[:, :, :, None]  # [B, H, S, 1, P]
+
+    def close(got, want):  # fp32 sums of terms up to 2^4 times their neighbours'
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
     if has_z:
         u = z.double().permute(0, 2, 1, 3)[:, :, :, None] * zeta.double()[None, :, None]
         sig = torch.sigmoid(u)
@@ -158,12 +207,12 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program):
         du = g * phi.double()[None, :, None] * y * dgate
         want_dz = (du * zeta.double()[None, :, None]).sum(3).permute(0, 2, 1, 3)
         want_dzeta = (du * z.double().permute(0, 2, 1, 3)[:, :, :, None]).sum(2)
-        torch.testing.assert_close(dz.cpu().double(), want_dz, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(dzeta_part.cpu().double().sum(2), want_dzeta, atol=1e-4, rtol=1e-5)
+        close(dz.cpu().double(), want_dz)
+        close(dzeta_part.cpu().double().sum(2), want_dzeta)
     else:
         gate = torch.ones_like(y)
         assert dzeta_part is None
-    torch.testing.assert_close(dphi_part.cpu().double().sum(2), (gate * y * g).sum(2), atol=1e-4, rtol=1e-5)
+    close(dphi_part.cpu().double().sum(2), (gate * y * g).sum(2))
 
 
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 8, 16])

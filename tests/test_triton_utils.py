@@ -205,3 +205,44 @@ def test_fast_sigmoid():
     assert ((silu - u32 * sig).abs() <= u32.abs() * bound + 1e-30).all()
     torch.testing.assert_close(dsilu, sig * (1 + u32 * (1 - sig)), atol=1e-6, rtol=1e-5)
     assert fast[u32 < -100].eq(0).all() and fast[u32 > 20].eq(1).all()
+
+
+@triton.jit
+def _row_scaled_kernel(x_ptr, scaled_ptr, unscale_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    offs = rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    scaled, unscale = tu.fp16_row_scaled(tl.load(x_ptr + offs))
+    tl.store(scaled_ptr + offs, scaled.to(tl.float16))
+    tl.store(unscale_ptr + rows, unscale)
+
+
+def test_fp16_row_scaled(request):
+    """Each row's largest magnitude lands in [2^14, 2^15), the fp16 round trip is within 2^-11 relative for
+    every element down to 2^-28 of its row's largest, and the factors are exact powers of two: rows of ordinary,
+    huge (1e30), tiny (1e-25) and zero values, rows that span 2^40, negative maxima."""
+    gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
+    rows, cols = 16, 64
+    x = torch.randn((rows, cols), generator=gen, dtype=torch.float64)
+    x[1] *= 1e30
+    x[2] *= 1e-25
+    x[3] = 0.0
+    x[4] *= 2.0 ** torch.linspace(-28, 12, cols, dtype=torch.float64)  # one row spanning 2^40
+    x[5] = -x[5].abs()
+    x[6, 7] = -65504.0 * 4  # a maximum past fp16's range
+    x = x.float()
+    scaled = torch.full((rows, cols), float("nan"), device=DEVICE, dtype=torch.float16)
+    unscale = torch.full((rows,), float("nan"), device=DEVICE)
+    _row_scaled_kernel[(1,)](x.to(DEVICE), scaled, unscale, ROWS=rows, COLS=cols)
+    scaled, unscale = scaled.cpu().double(), unscale.cpu().double()
+    assert torch.isfinite(scaled).all() and (unscale > 0).all()
+    mantissa, _ = torch.frexp(unscale)
+    assert (mantissa == 0.5).all(), unscale  # powers of two
+    row_max = scaled.abs().amax(1)
+    nonzero = x.abs().amax(1) > 0
+    assert ((row_max[nonzero] >= 2**14) & (row_max[nonzero] < 2**15)).all(), row_max
+    assert (scaled[3] == 0).all() and unscale[3] == 2.0**-114
+    xd = x.double()
+    decoded = scaled * unscale[:, None]
+    normal = xd.abs() >= xd.abs().amax(1, keepdim=True) * 2.0**-28
+    rel = ((decoded - xd).abs() / xd.abs())[normal & (xd != 0)]
+    assert rel.max() <= 2.0**-11, rel.max()

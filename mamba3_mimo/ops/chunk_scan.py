@@ -22,6 +22,7 @@ from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
 from .triton_utils import (
+    fp16_row_scaled,
     intra_chunk_weights,
     load_entering_state,
     load_rows,
@@ -142,11 +143,12 @@ def _span_raw_y(
 def _chunk_scan_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
-    raw_y_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+    raw_y_ptr, raw_y_scale_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
+    SCALED_RAW_Y: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
@@ -161,8 +163,15 @@ def _chunk_scan_kernel(
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
-        y_offs = (bh * S * R + t_rows * R + row_r)[:, None] * P + offs_p[None, :]
+        seq_rows = bh * S * R + t_rows * R + row_r
+        if SCALED_RAW_Y:
+            # fp16 with a power of two per row and P tile (raw_y_scale [B, H, S, R, P tiles] holds its inverse):
+            # half the bytes of fp32 each way, at 2^-12 relative where bf16 (2^-9) failed dz's dual benchmark.
+            raw_y, row_unscale = fp16_row_scaled(raw_y)
+        y_offs = seq_rows[:, None] * P + offs_p[None, :]
         tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
+        if SCALED_RAW_Y:
+            tl.store(raw_y_scale_ptr + seq_rows * tl.num_programs(0) + pid_p, row_unscale, mask=row_mask)
 
 
 
@@ -232,10 +241,9 @@ def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
 
 
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
-               states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, dout=None, z=None,
-               mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None, entry_decay=None,
-               chunks_per_segment=1,
-               max_registers=0, spans_per_program=1):
+               states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
+               dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
+               entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -250,7 +258,10 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``); states: [B, H, nch, N, P];
         seg_entry: [B, H, n_segments, N, P] fp32 or None; entry_decay: [B, H, nch] fp32 (with seg_entry);
         qk_dot: [B, H, S, R, R];
-        raw_y: [B, H, S, R, P] (written: the pre-gate output including the D skip), None with ``dout``;
+        raw_y: [B, H, S, R, P] fp32 or fp16 (written: the pre-gate output including the D skip), None with
+            ``dout``; fp16 rows are scaled by a power of two per (row, P tile) that puts their largest magnitude
+            in [2^14, 2^15), and raw_y_scale: [B, H, S, R, cdiv(P, block_p)] fp32 (with fp16 raw_y only) gets
+            the inverse, so that raw_y = fp16 value * raw_y_scale;
         dout, z: [B, S, H, P] (z may be None); mimo_o, mimo_z: [H, R, P] fp32 (mimo_z None without z);
         dz: [B, S, H, P] or None (without z).
     Returns:
@@ -263,6 +274,16 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         raise ValueError("chunk_scan: seg_entry and entry_decay go together (segment_entry_states)")
     if (raw_y is None) == (dout is None):
         raise ValueError("chunk_scan: pass raw_y (the scratch to fill) or dout (apply the gate), not both")
+    scaled = raw_y is not None and raw_y.dtype == torch.float16
+    if raw_y is not None and raw_y.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"chunk_scan: raw_y is fp32 or fp16 (with raw_y_scale), not {raw_y.dtype}")
+    scale_shape = (B, H, S, R, cdiv(P, block_p))
+    if scaled and (raw_y_scale is None or tuple(raw_y_scale.shape) != scale_shape
+                   or raw_y_scale.dtype != torch.float32):
+        got = None if raw_y_scale is None else (tuple(raw_y_scale.shape), raw_y_scale.dtype)
+        raise ValueError(f"chunk_scan: fp16 raw_y needs raw_y_scale of shape {scale_shape}, fp32; got {got}")
+    if not scaled and raw_y_scale is not None:
+        raise ValueError("chunk_scan: raw_y_scale goes with an fp16 raw_y only")
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
     if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
         # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
@@ -281,7 +302,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
-        launch(_chunk_scan_kernel, grid, *inputs, raw_y, *sizes, **constants)
+        launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,
+               SCALED_RAW_Y=scaled)
         return None
     has_z = z is not None
     dphi = torch.empty((B, H, n_spans, R, P), device=q.device, dtype=torch.float32)

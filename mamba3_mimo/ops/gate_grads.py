@@ -34,11 +34,24 @@ WARP_LANES = 32
 
 
 @triton.jit
+def _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, t_first, row_mask, mask, N_SCALE_TILES,
+                R: tl.constexpr, P: tl.constexpr, SCALED_RAW_Y: tl.constexpr):
+    """The [ranks, tokens, cols] raw_y tile of the tokens from t_first on, as stored (masked elements 0), and with
+    an fp16 scratch the [ranks, tokens, 1] inverse scales of its rows (else 1): raw_y = tile * scales."""
+    raw_y = tl.load(raw_y_ptr + y_offs + t_first * (R * P), mask=mask, other=0.0)
+    if SCALED_RAW_Y:
+        unscale = tl.load(raw_y_scale_ptr + scale_offs + t_first * (R * N_SCALE_TILES), mask=row_mask, other=0.0)
+    else:
+        unscale = 1.0
+    return raw_y, unscale
+
+
+@triton.jit
 def _gate_grads_kernel(
-    raw_y_ptr, dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
-    S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM,
+    raw_y_ptr, raw_y_scale_ptr, dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
+    S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM, N_SCALE_TILES, SCALE_COLS,
     R: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, SCALED_RAW_Y: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token_range = pid // N_PBLOCKS
@@ -62,6 +75,8 @@ def _gate_grads_kernel(
     # every rank of a warp, so the tiles share raw_y's layout and no layout conversion is needed.
     act_offs = (b * S * H + h) * P + cols + offs_t * (H * P) + ranks * 0
     y_offs = bh * S * R * P + offs_t * (R * P) + ranks * P + cols
+    # The block's columns lie in one scale tile (BLOCK_P divides SCALE_COLS, gate_grads_meta).
+    scale_offs = (bh * S * R + offs_t * R + ranks) * N_SCALE_TILES + (p_block * BLOCK_P) // SCALE_COLS
     cols_2d = p_block * BLOCK_P + tl.arange(0, BLOCK_P)[None, :]
     dz_base = (b * S * H + h) * P
     first = token_range.to(tl.int64) * TOKENS_PER_PROGRAM  # token offsets in int64: S * R * P may pass 2^31
@@ -69,19 +84,24 @@ def _gate_grads_kernel(
 
     dphi_acc = tl.zeros((BLOCK_R, BLOCK_T, BLOCK_P), dtype=tl.float32)
     dzeta_acc = tl.zeros((BLOCK_R, BLOCK_T, BLOCK_P), dtype=tl.float32)
-    mask = (first + offs_t < last) & rank_col_mask
-    raw_y = tl.load(raw_y_ptr + y_offs + first * (R * P), mask=mask, other=0.0)
+    row_mask = (first + offs_t < last) & (ranks < R)
+    mask = row_mask & (cols < P)
+    raw_y, unscale = _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, first, row_mask, mask,
+                                 N_SCALE_TILES, R, P, SCALED_RAW_Y)
     dout = tl.load(dout_ptr + act_offs + first * (H * P), mask=mask, other=0.0)
     z = tl.load(z_ptr + act_offs + first * (H * P), mask=mask & HAS_Z, other=0.0)
     for t0 in range(first, last, BLOCK_T):
         # The next block's tiles are in flight while this block's gate math runs.
         t_next = t0 + BLOCK_T
-        next_mask = (t_next + offs_t < last) & rank_col_mask
-        raw_y_next = tl.load(raw_y_ptr + y_offs + t_next * (R * P), mask=next_mask, other=0.0)
+        next_row_mask = (t_next + offs_t < last) & (ranks < R)
+        next_mask = next_row_mask & (cols < P)
+        raw_y_next, unscale_next = _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, t_next,
+                                               next_row_mask, next_mask, N_SCALE_TILES, R, P, SCALED_RAW_Y)
         dout_next = tl.load(dout_ptr + act_offs + t_next * (H * P), mask=next_mask, other=0.0)
         z_next = tl.load(z_ptr + act_offs + t_next * (H * P), mask=next_mask & HAS_Z, other=0.0)
 
-        y_dout = raw_y.to(tl.float32) * dout.to(tl.float32)
+        # Held as stored (fp16: half the registers of the look-ahead), decoded here.
+        y_dout = raw_y.to(tl.float32) * unscale * dout.to(tl.float32)
         if HAS_Z:
             z_f = z.to(tl.float32)
             gate, dgate = silu_and_grad(z_f * zeta, FAST_SIGMOID)
@@ -96,7 +116,7 @@ def _gate_grads_kernel(
                      mask=(dz_tokens < last) & (cols < P) & (ranks == 0))
         else:
             dphi_acc += y_dout
-        raw_y, dout, z = raw_y_next, dout_next, z_next
+        raw_y, unscale, dout, z = raw_y_next, unscale_next, dout_next, z_next
 
     ranks_2d = tl.arange(0, BLOCK_R)[:, None]
     part = (bh * N_RANGES + token_range) * R * P + ranks_2d * P + cols_2d
@@ -106,27 +126,44 @@ def _gate_grads_kernel(
         tl.store(dzeta_ptr + part, tl.sum(phi * dzeta_acc, axis=1), mask=part_mask)
 
 
-def gate_grads_meta(*, R, P):
+def gate_grads_meta(*, R, P, max_block_p=MAX_BLOCK_P):
     """Tile sizes of ``gate_grads``: BLOCK_R = next_pow2(R) ranks, up to 64 columns (fewer from R = 8 on,
-    so that ranks x column lanes fit one warp), the rest tokens."""
+    so that ranks x column lanes fit one warp; at most ``max_block_p``, a power of two), the rest tokens."""
     block_r = next_power_of_2(R)
-    block_p = min(MAX_BLOCK_P, max(1, WARP_LANES // block_r) * 8, next_power_of_2(P))
+    block_p = min(MAX_BLOCK_P, max_block_p, max(1, WARP_LANES // block_r) * 8, next_power_of_2(P))
     block_t = max(1, TILE_ELEMENTS // (block_r * block_p))
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p)
 
 
-def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, tokens_per_program=64, num_warps=4):
+def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_block_p=None, tokens_per_program=64,
+               num_warps=4):
     """Write ``dz`` and return the per-token-range partials of dPhi and dZeta.
 
-    Args (contiguous): raw_y: [B, H, S, R, P] from ``chunk_scan``; dout, z: [B, S, H, P] (z may be
-        None); mimo_o, mimo_z: [H, R, P] fp32 (mimo_z None with z); dz: [B, S, H, P] or None.
+    Args (contiguous): raw_y: [B, H, S, R, P] fp32, or fp16 with raw_y_scale: [B, H, S, R, cdiv(P,
+        scale_block_p)] fp32, the inverse row scales ``chunk_scan`` wrote per P tile of ``scale_block_p``
+        columns (a power of two); dout, z: [B, S, H, P] (z may be None); mimo_o, mimo_z: [H, R, P] fp32
+        (mimo_z None with z); dz: [B, S, H, P] or None.
         tokens_per_program: the token range of one program (rounded up to whole tiles).
     Returns:
         dphi_partial, dzeta_partial: [B, H, n_ranges, R, P] fp32 (dzeta_partial None without Z), to be
         summed over dim 2 by ``sum_group_partials``.
     """
     B, H, S, R, P = raw_y.shape
+    scaled = raw_y.dtype == torch.float16
+    if raw_y.dtype not in (torch.float32, torch.float16) or scaled != (raw_y_scale is not None):
+        raise ValueError(f"gate_grads: raw_y is fp32, or fp16 with raw_y_scale; got {raw_y.dtype} and "
+                         f"raw_y_scale {'None' if raw_y_scale is None else 'given'}")
     meta = gate_grads_meta(R=R, P=P)
+    n_scale_tiles, scale_cols = 1, P
+    if scaled:
+        if scale_block_p is None or scale_block_p & (scale_block_p - 1):
+            raise ValueError(f"gate_grads: scale_block_p is chunk_scan's P tile, a power of two; got {scale_block_p}")
+        n_scale_tiles, scale_cols = cdiv(P, scale_block_p), scale_block_p
+        want = (B, H, S, R, n_scale_tiles)
+        if tuple(raw_y_scale.shape) != want or raw_y_scale.dtype != torch.float32:
+            raise ValueError(f"gate_grads: raw_y_scale must be {want} fp32, got {tuple(raw_y_scale.shape)} "
+                             f"{raw_y_scale.dtype}")
+        meta = gate_grads_meta(R=R, P=P, max_block_p=scale_block_p)
     tokens_per_program = cdiv(tokens_per_program, meta["BLOCK_T"]) * meta["BLOCK_T"]
     n_ranges = cdiv(S, tokens_per_program)
     n_pblocks = cdiv(P, meta["BLOCK_P"])
@@ -134,9 +171,9 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, tokens_per_program=64, num
     dphi = torch.empty((B, H, n_ranges, R, P), device=raw_y.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
     launch(_gate_grads_kernel, (n_ranges * n_pblocks, B * H),
-        raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o, dz if has_z else dout,
-        dphi, dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program,
-        R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y),
-        num_warps=num_warps, num_stages=1,
+        raw_y, raw_y_scale if scaled else raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
+        dz if has_z else dout, dphi, dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program,
+        n_scale_tiles, scale_cols, R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y),
+        SCALED_RAW_Y=scaled, num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

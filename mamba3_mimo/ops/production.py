@@ -113,6 +113,9 @@ class ScanConfig:
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
     Z, and with Z at R = 1).
+    half_raw_y: with split_gate and bf16 activations, the raw_y scratch between ``chunk_scan`` and
+    ``gate_grads`` is fp16 with a power-of-two scale per row (half the bytes of fp32 each way, 2^-12
+    relative; ``raw_y_scratch_dtype``); other activations, or False, keep it fp32.
     """
 
     block_p: int
@@ -133,6 +136,7 @@ class ScanConfig:
     gate_in_scan: bool = False
     scan_max_registers: int = 0
     scan_prefetch: bool = False
+    half_raw_y: bool = True
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -331,6 +335,18 @@ def rotation_table_dtype(*activation_dtypes):
     return torch.float16 if torch.bfloat16 in activation_dtypes else torch.float32
 
 
+def raw_y_scratch_dtype(*activation_dtypes):
+    """dtype of the split output stage's raw_y scratch (``ScanConfig.half_raw_y``) for these activation dtypes.
+
+    Where the products take bf16 operands (any bf16 activation) raw_y already carries their 2^-9 rounding, so
+    fp16 rows with a power-of-two scale each (2^-12) add an eighth of it and halve the scratch's traffic both
+    ways (``fp16_row_scaled``).  With fp16 operands (2^-11) the scratch's rounding would be as large as theirs:
+    in the interpreter dz's MARE on a GPU pairwise row went from 0.24 to 0.53 of the dual benchmark's bound with
+    fp16 activations, so there, and for fp32 activations, the scratch stays fp32.
+    """
+    return torch.float16 if torch.bfloat16 in activation_dtypes else torch.float32
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -387,13 +403,21 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                  max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
     elif config.split_gate:
-        # fp32 scratch: dz sums raw_y over ranks, and where those terms cancel a bf16 raw_y tipped dz over the
-        # dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE 1.18e-1 > 2 x 5.34e-2 at 9d55f71).
-        raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=torch.float32)
-        chunk_scan(**output_stage, raw_y=raw_y, max_registers=config.out_max_registers,
+        # dz sums raw_y over ranks, and where those terms cancel the scratch's rounding shows in full: a bf16 raw_y
+        # (2^-9) tipped dz over the dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE
+        # 1.18e-1 > 2 x 5.34e-2 at 9d55f71).  fp16 scaled per row is 2^-12 at half fp32's bytes.
+        raw_y_dtype = torch.float32
+        if config.half_raw_y:
+            raw_y_dtype = raw_y_scratch_dtype(*(x.dtype for x in (q, k, v, dout, z) if x is not None))
+        raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype)
+        raw_y_scale = None
+        if raw_y_dtype == torch.float16:
+            raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
+                                      dtype=torch.float32)
+        chunk_scan(**output_stage, raw_y=raw_y, raw_y_scale=raw_y_scale, max_registers=config.out_max_registers,
                    spans_per_program=config.chunks_per_program)
-        dphi, dzeta = gate_grads(raw_y=raw_y, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
-                                 tokens_per_program=config.gate_tokens)
+        dphi, dzeta = gate_grads(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout,
+                                 z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens)
     else:
         dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                    q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,

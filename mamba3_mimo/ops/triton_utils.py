@@ -171,6 +171,22 @@ def fast_cos_sin(theta):
 
 
 @triton.jit
+def fp16_row_scaled(x):
+    """x [rows, cols] fp32 times a power of two per row that puts the row's largest magnitude in [2^14, 2^15).
+
+    In fp16 the scaled row keeps 11 significant bits for every element down to 2^-28 of its largest (the
+    normal range) and cannot overflow; the powers of two are exact both ways.  Rows whose largest magnitude is
+    below 2^-100 (all zeros) take the scale of 2^-100.  Returns (scaled x, the [rows] factor that undoes it).
+    """
+    # The biased exponent of each row's largest magnitude, as the bits of 2^floor(log2(max)).
+    exp_bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) & 0x7F800000
+    exp_bits = tl.maximum(exp_bits, 27 << 23)
+    scale = ((254 << 23) - exp_bits + (14 << 23)).to(tl.float32, bitcast=True)  # 2^(14 - e), no int32 overflow
+    unscale = (exp_bits - (14 << 23)).to(tl.float32, bitcast=True)  # 2^(e - 14)
+    return x * scale[:, None], unscale
+
+
+@triton.jit
 def silu_and_grad(u, FAST_SIGMOID: tl.constexpr = False):
     """(silu(u), silu'(u)) with silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u))).
 
