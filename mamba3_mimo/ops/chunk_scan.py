@@ -129,13 +129,21 @@ def _span_raw_y(
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
     mixing = scores * weights
-    if HAS_D:
-        # The D skip D * psiv[t, r] is the diagonal of the mixing matrix: psiv is the product's operand.
-        mixing += tl.where(rows[:, None] == rows[None, :], tl.load(d_ptr + h).to(tl.float32), 0.0)
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
     raw_y += tl.exp(da_rows)[:, None] * y_state
+    if HAS_D:
+        # The D skip in fp32, from v and Psi read again (volatile: not merged with the loads above, whose fp32
+        # psiv would stay live across the products).  Folded into the mixing matrix's diagonal it was rounded
+        # to the operand dtype with psiv, and where D psiv is most of raw_y that made dPhi's error 2-5x the
+        # fused stage's (the GPU pairwise grid's dual benchmark failed on some seeds).
+        v_again = tl.load(v_ptr + hp_seq + (t_tok * (H * P))[:, None] + offs_p[None, :],
+                          mask=tok_mask[:, None] & p_mask[None, :], other=0.0, volatile=True).to(tl.float32)
+        psi_again = tl.load(psi_ptr + h * R * P + (rank * P)[:, None] + offs_p[None, :],
+                            mask=rank_mask[:, None] & p_mask[None, :], other=0.0, volatile=True)
+        raw_y += tl.load(d_ptr + h).to(tl.float32) * tl.reshape(v_again[:, None, :] * psi_again[None, :, :],
+                                                                (ROWS, BLOCK_P))
     return raw_y, t_rows, row_r, row_mask, offs_p, p_mask
 
 
