@@ -252,3 +252,23 @@ def test_output_stages_take_entry_states_with_their_decays(stage, give):
             chunk_scan(**tensors, raw_y=x)
         else:
             chunk_output(**tensors, dout=act, z=None, mimo_o=act, mimo_z=None, dz=None, chunks_per_program=1)
+
+
+@pytest.mark.parametrize("bad", ["fp16 without scales", "scales of the wrong shape", "fp32 with scales", "bf16",
+                                 "scale tile not a power of two"])
+def test_raw_y_scratch_refused(bad):
+    """chunk_scan and gate_grads take raw_y in fp32, or in fp16 with its [B, H, S, R, P tiles] fp32 row scales;
+    anything else is refused before any launch."""
+    B, H, S, R, P = 1, 2, 8, 2, 48
+    raw_y = torch.zeros((B, H, S, R, P), dtype=torch.float16 if bad != "fp32 with scales" else torch.float32)
+    scale = torch.zeros((B, H, S, R, 1))
+    given = {"fp16 without scales": dict(raw_y_scale=None, scale_block_p=64),
+             "scales of the wrong shape": dict(raw_y_scale=torch.zeros((B, H, S, R, 2)), scale_block_p=64),
+             "fp32 with scales": dict(raw_y_scale=scale, scale_block_p=64),
+             "bf16": dict(raw_y_scale=scale, scale_block_p=64),
+             "scale tile not a power of two": dict(raw_y_scale=scale, scale_block_p=48)}[bad]
+    if bad == "bf16":
+        raw_y = raw_y.to(torch.bfloat16)
+    act = torch.zeros((B, S, H, P))
+    with pytest.raises(ValueError, match="raw_y"):
+        gate_grads(raw_y=raw_y, dout=act, z=None, mimo_o=torch.zeros((H, R, P)), mimo_z=None, dz=None, **given)

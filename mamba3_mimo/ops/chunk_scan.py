@@ -138,10 +138,8 @@ def _span_raw_y(
         # psiv would stay live across the products).  Folded into the mixing matrix's diagonal it was rounded
         # to the operand dtype with psiv, and where D psiv is most of raw_y that made dPhi's error 2-5x the
         # fused stage's (the GPU pairwise grid's dual benchmark failed on some seeds).
-        v_again = tl.load(v_ptr + hp_seq + (t_tok * (H * P))[:, None] + offs_p[None, :],
-                          mask=tok_mask[:, None] & p_mask[None, :], other=0.0, volatile=True).to(tl.float32)
-        psi_again = tl.load(psi_ptr + h * R * P + (rank * P)[:, None] + offs_p[None, :],
-                            mask=rank_mask[:, None] & p_mask[None, :], other=0.0, volatile=True)
+        v_again = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask, VOLATILE=True)
+        psi_again = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask, VOLATILE=True)
         raw_y += tl.load(d_ptr + h).to(tl.float32) * tl.reshape(v_again[:, None, :] * psi_again[None, :, :],
                                                                 (ROWS, BLOCK_P))
     return raw_y, t_rows, row_r, row_mask, offs_p, p_mask
@@ -282,16 +280,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         raise ValueError("chunk_scan: seg_entry and entry_decay go together (segment_entry_states)")
     if (raw_y is None) == (dout is None):
         raise ValueError("chunk_scan: pass raw_y (the scratch to fill) or dout (apply the gate), not both")
-    scaled = raw_y is not None and raw_y.dtype == torch.float16
-    if raw_y is not None and raw_y.dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"chunk_scan: raw_y is fp32 or fp16 (with raw_y_scale), not {raw_y.dtype}")
-    scale_shape = (B, H, S, R, cdiv(P, block_p))
-    if scaled and (raw_y_scale is None or tuple(raw_y_scale.shape) != scale_shape
-                   or raw_y_scale.dtype != torch.float32):
-        got = None if raw_y_scale is None else (tuple(raw_y_scale.shape), raw_y_scale.dtype)
-        raise ValueError(f"chunk_scan: fp16 raw_y needs raw_y_scale of shape {scale_shape}, fp32; got {got}")
-    if not scaled and raw_y_scale is not None:
-        raise ValueError("chunk_scan: raw_y_scale goes with an fp16 raw_y only")
+    scaled = raw_y is not None and host_utils.check_raw_y_scratch("chunk_scan", raw_y, raw_y_scale, block_p)
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
     if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
         # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at

@@ -149,20 +149,11 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
         summed over dim 2 by ``sum_group_partials``.
     """
     B, H, S, R, P = raw_y.shape
-    scaled = raw_y.dtype == torch.float16
-    if raw_y.dtype not in (torch.float32, torch.float16) or scaled != (raw_y_scale is not None):
-        raise ValueError(f"gate_grads: raw_y is fp32, or fp16 with raw_y_scale; got {raw_y.dtype} and "
-                         f"raw_y_scale {'None' if raw_y_scale is None else 'given'}")
+    scaled = host_utils.check_raw_y_scratch("gate_grads", raw_y, raw_y_scale, scale_block_p)
     meta = gate_grads_meta(R=R, P=P)
     n_scale_tiles, scale_cols = 1, P
     if scaled:
-        if scale_block_p is None or scale_block_p & (scale_block_p - 1):
-            raise ValueError(f"gate_grads: scale_block_p is chunk_scan's P tile, a power of two; got {scale_block_p}")
         n_scale_tiles, scale_cols = cdiv(P, scale_block_p), scale_block_p
-        want = (B, H, S, R, n_scale_tiles)
-        if tuple(raw_y_scale.shape) != want or raw_y_scale.dtype != torch.float32:
-            raise ValueError(f"gate_grads: raw_y_scale must be {want} fp32, got {tuple(raw_y_scale.shape)} "
-                             f"{raw_y_scale.dtype}")
         meta = gate_grads_meta(R=R, P=P, max_block_p=scale_block_p)
     tokens_per_program = cdiv(tokens_per_program, meta["BLOCK_T"]) * meta["BLOCK_T"]
     n_ranges = cdiv(S, tokens_per_program)

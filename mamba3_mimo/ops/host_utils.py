@@ -5,6 +5,8 @@ goes through a wrapper that unwraps its arguments, a few microseconds that a bwd
 ~36 times (benchmarks/host_profile.py).  These are the plain-Python equivalents.
 """
 
+import torch
+
 
 def cdiv(a, b):
     """ceil(a / b) for positive ints."""
@@ -23,3 +25,25 @@ def compiled_for_gpu(tensor):
     compile for sm_90 from CPU tensors.
     """
     return tensor.is_cuda
+
+
+def check_raw_y_scratch(who, raw_y, raw_y_scale, block_p):
+    """True for the fp16 raw_y scratch with its row scales, False for fp32; ValueError for anything else.
+
+    raw_y: [B, H, S, R, P]; the fp16 one comes with raw_y_scale [B, H, S, R, cdiv(P, block_p)] fp32, one inverse
+    scale per (row, P tile of ``block_p`` columns, a power of two), and the fp32 one without.
+    """
+    if raw_y.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"{who}: raw_y is fp32, or fp16 with raw_y_scale; got {raw_y.dtype}")
+    if raw_y.dtype == torch.float32:
+        if raw_y_scale is not None:
+            raise ValueError(f"{who}: raw_y_scale goes with an fp16 raw_y only")
+        return False
+    if not block_p or block_p & (block_p - 1):
+        raise ValueError(f"{who}: raw_y_scale's P tile is a power of two; got {block_p}")
+    B, H, S, R, P = raw_y.shape
+    want = (B, H, S, R, cdiv(P, block_p))
+    if raw_y_scale is None or tuple(raw_y_scale.shape) != want or raw_y_scale.dtype != torch.float32:
+        got = None if raw_y_scale is None else (tuple(raw_y_scale.shape), raw_y_scale.dtype)
+        raise ValueError(f"{who}: fp16 raw_y needs raw_y_scale of shape {want}, fp32; got {got}")
+    return True

@@ -330,10 +330,14 @@ def load_entering_state(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_ch
 
 
 @triton.jit
-def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask):
-    """[rows, cols] fp32 tile, row i read at ``ptr + row_offs[i] + col``; masked elements are 0."""
+def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask, VOLATILE: tl.constexpr = False):
+    """[rows, cols] fp32 tile, row i read at ``ptr + row_offs[i] + col``; masked elements are 0.
+
+    VOLATILE keeps the load from being merged with an identical earlier one (whose tile would then stay live).
+    """
     mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(ptr + row_offs[:, None] + offs_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + row_offs[:, None] + offs_cols[None, :], mask=mask, other=0.0,
+                   volatile=VOLATILE).to(tl.float32)
 
 
 @triton.jit
