@@ -358,7 +358,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     """Fill every output in place (tensors as in ``stage0_bwd_fwd``; segsum is derived from da_cs)."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
-    rotation_dtype = rotation_table_dtype(*(x.dtype for x in (q, k, v, dout, z) if x is not None))
+    activation_dtypes = [x.dtype for x in (q, k, v, dout, z) if x is not None]
+    rotation_dtype = rotation_table_dtype(*activation_dtypes)
     if config is None:
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
@@ -408,7 +409,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         # 1.18e-1 > 2 x 5.34e-2 at 9d55f71).  fp16 scaled per row is 2^-12 at half fp32's bytes.
         raw_y_dtype = torch.float32
         if config.half_raw_y:
-            raw_y_dtype = raw_y_scratch_dtype(*(x.dtype for x in (q, k, v, dout, z) if x is not None))
+            raw_y_dtype = raw_y_scratch_dtype(*activation_dtypes)
         raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype)
         raw_y_scale = None
         if raw_y_dtype == torch.float16:
