@@ -225,6 +225,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gate_in_scan=[False, True],
         scan_prefetch=[False, True],
         half_raw_y=[False, True],
+        d_in_gate=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

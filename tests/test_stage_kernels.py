@@ -161,12 +161,14 @@ def encode_raw_y(raw_y, scale_block_p):
 @pytest.mark.parametrize("has_z", [True, False])
 @pytest.mark.parametrize("tokens_per_program", [64, 20])
 @pytest.mark.parametrize("scratch", ["fp32", "fp16"])
-def test_gate_grads(request, S, R, P, has_z, tokens_per_program, scratch):
+@pytest.mark.parametrize("has_d", [False, True])
+def test_gate_grads(request, S, R, P, has_z, tokens_per_program, scratch, has_d):
     """dz, and the per-range partials of dPhi / dZeta summed over ranges, against the formulas of
     SPEC section 3 in float64: partial token blocks and ranges, several ranges (20 tokens, rounded up
     to whole tiles), two P blocks (P = 128; P = 48 at R = 8, whose blocks are 32 wide), a partial P
     block, ranks not a power of two.  The fp16 scratch with row scales per P tile of 32 columns (two to
-    four scale tiles, the blocks narrowed to them) or 64 (P = 40 and 48: one partial tile), decoded exactly."""
+    four scale tiles, the blocks narrowed to them) or 64 (P = 40 and 48: one partial tile), decoded exactly.
+    With ``has_d`` raw_y comes without the D skip and gate_grads adds D v Psi."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 2
     raw_y = torch.randn((B, H, S, R, P), generator=gen, dtype=torch.float32)
@@ -188,13 +190,22 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program, scratch):
     def dev(x):
         return None if x is None else x.to(DEVICE)
 
+    skip = {}
+    if has_d:
+        v = torch.randn((B, S, H, P), generator=gen, dtype=torch.float32)
+        psi = torch.randn((H, R, P), generator=gen, dtype=torch.float32)
+        d = torch.randn((H,), generator=gen, dtype=torch.float32)
+        skip = dict(v=dev(v), mimo_v=dev(psi), d=dev(d))
     stored = dev(fp16_y) if scratch == "fp16" else dev(raw_y)
     dphi_part, dzeta_part = gate_grads(raw_y=stored, dout=dev(dout), z=dev(z), mimo_o=dev(phi), mimo_z=dev(zeta),
-                                       dz=dz, tokens_per_program=tokens_per_program, **scaled)
+                                       dz=dz, tokens_per_program=tokens_per_program, **scaled, **skip)
     block_t = gate_grads_meta(R=R, P=P, **({"max_block_p": scaled["scale_block_p"]} if scaled else {}))["BLOCK_T"]
     range_tokens = -(-tokens_per_program // block_t) * block_t
     assert dphi_part.shape == (B, H, -(-S // range_tokens), R, P)
     y = raw_y.double()
+    if has_d:  # [B, H, S, R, P]
+        y = y + d.double()[None, :, None, None, None] * v.double().permute(0, 2, 1, 3)[:, :, :, None] * \
+            psi.double()[None, :, None]
     g = dout.double().permute(0, 2, 1, 3)[:, :, :, None]  # [B, H, S, 1, P]
 
     def close(got, want):  # fp32 sums of terms up to 2^4 times their neighbours'

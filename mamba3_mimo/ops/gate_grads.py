@@ -48,10 +48,10 @@ def _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, t_first, row_mas
 
 @triton.jit
 def _gate_grads_kernel(
-    raw_y_ptr, raw_y_scale_ptr, dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
-    S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM, N_SCALE_TILES, SCALE_COLS,
+    raw_y_ptr, raw_y_scale_ptr, dout_ptr, z_ptr, v_ptr, phi_ptr, zeta_ptr, psi_ptr, d_ptr, dz_ptr, dphi_ptr,
+    dzeta_ptr, S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM, N_SCALE_TILES, SCALE_COLS,
     R: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, SCALED_RAW_Y: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, SCALED_RAW_Y: tl.constexpr, HAS_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token_range = pid // N_PBLOCKS
@@ -70,6 +70,9 @@ def _gate_grads_kernel(
     if HAS_Z:
         zeta = tl.load(zeta_ptr + head_rc, mask=rank_col_mask, other=0.0)
         dz_weight = phi * zeta
+    if HAS_D:
+        # raw_y comes without the D skip (chunk_scan ran without D): D psiv = (D Psi) v is added here, in fp32.
+        d_psi = tl.load(d_ptr + h).to(tl.float32) * tl.load(psi_ptr + head_rc, mask=rank_col_mask, other=0.0)
 
     # Activations [B, S, H, P] at (b, t, h, col), read with a rank stride of 0: the same addresses for
     # every rank of a warp, so the tiles share raw_y's layout and no layout conversion is needed.
@@ -90,6 +93,7 @@ def _gate_grads_kernel(
                                  N_SCALE_TILES, R, P, SCALED_RAW_Y)
     dout = tl.load(dout_ptr + act_offs + first * (H * P), mask=mask, other=0.0)
     z = tl.load(z_ptr + act_offs + first * (H * P), mask=mask & HAS_Z, other=0.0)
+    v = tl.load(v_ptr + act_offs + first * (H * P), mask=mask & HAS_D, other=0.0)
     for t0 in range(first, last, BLOCK_T):
         # The next block's tiles are in flight while this block's gate math runs.
         t_next = t0 + BLOCK_T
@@ -99,9 +103,13 @@ def _gate_grads_kernel(
                                                next_row_mask, next_mask, N_SCALE_TILES, R, P, SCALED_RAW_Y)
         dout_next = tl.load(dout_ptr + act_offs + t_next * (H * P), mask=next_mask, other=0.0)
         z_next = tl.load(z_ptr + act_offs + t_next * (H * P), mask=next_mask & HAS_Z, other=0.0)
+        v_next = tl.load(v_ptr + act_offs + t_next * (H * P), mask=next_mask & HAS_D, other=0.0)
 
         # Held as stored (fp16: half the registers of the look-ahead), decoded here.
-        y_dout = raw_y.to(tl.float32) * unscale * dout.to(tl.float32)
+        y = raw_y.to(tl.float32) * unscale
+        if HAS_D:
+            y += d_psi * v.to(tl.float32)
+        y_dout = y * dout.to(tl.float32)
         if HAS_Z:
             z_f = z.to(tl.float32)
             gate, dgate = silu_and_grad(z_f * zeta, FAST_SIGMOID)
@@ -116,7 +124,7 @@ def _gate_grads_kernel(
                      mask=(dz_tokens < last) & (cols < P) & (ranks == 0))
         else:
             dphi_acc += y_dout
-        raw_y, unscale, dout, z = raw_y_next, unscale_next, dout_next, z_next
+        raw_y, unscale, dout, z, v = raw_y_next, unscale_next, dout_next, z_next, v_next
 
     ranks_2d = tl.arange(0, BLOCK_R)[:, None]
     part = (bh * N_RANGES + token_range) * R * P + ranks_2d * P + cols_2d
@@ -135,14 +143,16 @@ def gate_grads_meta(*, R, P, max_block_p=MAX_BLOCK_P):
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p)
 
 
-def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_block_p=None, tokens_per_program=64,
-               num_warps=4):
+def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_block_p=None, v=None, mimo_v=None,
+               d=None, tokens_per_program=64, num_warps=4):
     """Write ``dz`` and return the per-token-range partials of dPhi and dZeta.
 
     Args (contiguous): raw_y: [B, H, S, R, P] fp32, or fp16 with raw_y_scale: [B, H, S, R, cdiv(P,
         scale_block_p)] fp32, the inverse row scales ``chunk_scan`` wrote per P tile of ``scale_block_p``
         columns (a power of two); dout, z: [B, S, H, P] (z may be None); mimo_o, mimo_z: [H, R, P] fp32
         (mimo_z None with z); dz: [B, S, H, P] or None.
+        v: [B, S, H, P], mimo_v: [H, R, P] fp32, d: [H] fp32, all three or none: raw_y was computed without
+        the D skip (``chunk_scan`` with d=None) and D v Psi is added to it here, in fp32.
         tokens_per_program: the token range of one program (rounded up to whole tiles).
     Returns:
         dphi_partial, dzeta_partial: [B, H, n_ranges, R, P] fp32 (dzeta_partial None without Z), to be
@@ -150,6 +160,9 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
     """
     B, H, S, R, P = raw_y.shape
     scaled = host_utils.check_raw_y_scratch("gate_grads", raw_y, raw_y_scale, scale_block_p)
+    has_d = d is not None
+    if (v is None) != (not has_d) or (mimo_v is None) != (not has_d):
+        raise ValueError("gate_grads: v, mimo_v and d (the D skip added here) go together")
     meta = gate_grads_meta(R=R, P=P)
     n_scale_tiles, scale_cols = 1, P
     if scaled:
@@ -162,9 +175,10 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
     dphi = torch.empty((B, H, n_ranges, R, P), device=raw_y.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
     launch(_gate_grads_kernel, (n_ranges * n_pblocks, B * H),
-        raw_y, raw_y_scale if scaled else raw_y, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
-        dz if has_z else dout, dphi, dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program,
-        n_scale_tiles, scale_cols, R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y),
-        SCALED_RAW_Y=scaled, num_warps=num_warps, num_stages=1,
+        raw_y, raw_y_scale if scaled else raw_y, dout, z if has_z else dout, v if has_d else dout, mimo_o,
+        mimo_z if has_z else mimo_o, mimo_v if has_d else mimo_o, d if has_d else mimo_o, dz if has_z else dout, dphi,
+        dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program, n_scale_tiles, scale_cols,
+        R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y), SCALED_RAW_Y=scaled,
+        HAS_D=has_d, num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta

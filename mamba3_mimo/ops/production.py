@@ -116,6 +116,9 @@ class ScanConfig:
     half_raw_y: with split_gate and bf16 activations, the raw_y scratch between ``chunk_scan`` and
     ``gate_grads`` is fp16 with a power-of-two scale per row (half the bytes of fp32 each way, 2^-12
     relative; ``raw_y_scratch_dtype``); other activations, or False, keep it fp32.
+    d_in_gate: with split_gate (not gate_in_scan) and D, ``gate_grads`` adds the D skip to raw_y (reading v
+    again) and ``chunk_scan`` leaves it out, instead of ``chunk_scan`` adding it after its products from v and
+    Psi read again (volatile loads on its path to the raw_y store).  Not timed yet: off by default.
     """
 
     block_p: int
@@ -137,6 +140,7 @@ class ScanConfig:
     scan_max_registers: int = 0
     scan_prefetch: bool = False
     half_raw_y: bool = True
+    d_in_gate: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -415,10 +419,13 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         if raw_y_dtype == torch.float16:
             raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
                                       dtype=torch.float32)
-        chunk_scan(**output_stage, raw_y=raw_y, raw_y_scale=raw_y_scale, max_registers=config.out_max_registers,
-                   spans_per_program=config.chunks_per_program)
+        d_in_gate = config.d_in_gate and d is not None
+        chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
+                   max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+        skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
         dphi, dzeta = gate_grads(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout,
-                                 z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens)
+                                 z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens,
+                                 **skip)
     else:
         dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                    q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
