@@ -31,6 +31,8 @@ MAX_BLOCK_P = 64
 # stays inside the warp.  At R = 8 a 64-column tile split its ranks over two warps: a shared-memory sum and
 # 255 registers a thread (2 CTAs per SM); 32 columns keep it to 128.
 WARP_LANES = 32
+# Register cap with the D skip added here (ScanConfig.d_in_gate): the 4 CTAs an SM of the plain kernel.
+D_SKIP_MAX_REGISTERS = 128
 
 
 @triton.jit
@@ -180,5 +182,8 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
         dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program, n_scale_tiles, scale_cols,
         R=R, P=P, **meta, HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(raw_y), SCALED_RAW_Y=scaled,
         HAS_D=has_d, num_warps=num_warps, num_stages=1,
+        # The D skip's v tiles and D Psi took it from 128 to 166 registers (3 CTAs an SM instead of 4); capped, it
+        # spills 0-56 B on the official shapes (aot_report.py, d_in_gate=1).
+        **({"maxnreg": D_SKIP_MAX_REGISTERS} if has_d else {}),
     )
     return dphi, dzeta
