@@ -18,6 +18,7 @@ for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
         c = r["config"]
         stage = ("scan-gate" if c.get("gate_in_scan") else "split") if c["split_gate"] else "fused"
         print(r["case"], stage, "local" if c["local_states"] else "two",
-              c["out_num_warps"], c["out_block_p"], c["out_max_registers"], c.get("gate_tokens"), round(r["graph_ms"] * 1e3),
+              c["out_num_warps"], c["out_block_p"], c["out_max_registers"], c.get("gate_tokens"), "dg" if c.get("d_in_gate") else "-",
+              c.get("gate_tile_elements"), c.get("gate_num_warps"), round(r["graph_ms"] * 1e3),
               {k[1:12]: round(v) for k, v in r["breakdown_us"].items() if v > 3})
 PY

@@ -169,7 +169,20 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program, scratch, has_d)
     block, ranks not a power of two.  The fp16 scratch with row scales per P tile of 32 columns (two to
     four scale tiles, the blocks narrowed to them) or 64 (P = 40 and 48: one partial tile), decoded exactly.
     With ``has_d`` raw_y comes without the D skip and gate_grads adds D v Psi."""
-    gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
+    check_gate_grads(seed_for(request.node.nodeid), S, R, P, has_z, tokens_per_program, scratch, has_d)
+
+
+@pytest.mark.parametrize("S,R,P", [(100, 3, 40), (40, 8, 48)])
+@pytest.mark.parametrize("tile_elements,num_warps", [(512, 4), (1024, 4), (4096, 8)])
+def test_gate_grads_tile_sizes(request, S, R, P, tile_elements, num_warps):
+    """The other tile sizes and warp counts the sweep offers (ScanConfig.gate_tile_elements /
+    gate_num_warps): tiles of 1-16 tokens, with Z, D, the fp16 scratch and several token ranges."""
+    check_gate_grads(seed_for(request.node.nodeid), S, R, P, True, 20, "fp16", True, tile_elements=tile_elements,
+                     num_warps=num_warps)
+
+
+def check_gate_grads(seed, S, R, P, has_z, tokens_per_program, scratch, has_d, **tiling):
+    gen = torch.Generator().manual_seed(seed)
     B, H = 2, 2
     raw_y = torch.randn((B, H, S, R, P), generator=gen, dtype=torch.float32)
     # Rows of very different magnitudes, so that a wrong row's scale shows.
@@ -198,8 +211,9 @@ def test_gate_grads(request, S, R, P, has_z, tokens_per_program, scratch, has_d)
         skip = dict(v=dev(v), mimo_v=dev(psi), d=dev(d))
     stored = dev(fp16_y) if scratch == "fp16" else dev(raw_y)
     dphi_part, dzeta_part = gate_grads(raw_y=stored, dout=dev(dout), z=dev(z), mimo_o=dev(phi), mimo_z=dev(zeta),
-                                       dz=dz, tokens_per_program=tokens_per_program, **scaled, **skip)
-    block_t = gate_grads_meta(R=R, P=P, **({"max_block_p": scaled["scale_block_p"]} if scaled else {}))["BLOCK_T"]
+                                       dz=dz, tokens_per_program=tokens_per_program, **scaled, **skip, **tiling)
+    block_t = gate_grads_meta(R=R, P=P, **({"max_block_p": scaled["scale_block_p"]} if scaled else {}),
+                              **({"tile_elements": tiling["tile_elements"]} if tiling else {}))["BLOCK_T"]
     range_tokens = -(-tokens_per_program // block_t) * block_t
     assert dphi_part.shape == (B, H, -(-S // range_tokens), R, P)
     y = raw_y.double()

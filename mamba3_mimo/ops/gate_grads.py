@@ -136,17 +136,18 @@ def _gate_grads_kernel(
         tl.store(dzeta_ptr + part, tl.sum(phi * dzeta_acc, axis=1), mask=part_mask)
 
 
-def gate_grads_meta(*, R, P, max_block_p=MAX_BLOCK_P):
+def gate_grads_meta(*, R, P, max_block_p=MAX_BLOCK_P, tile_elements=TILE_ELEMENTS):
     """Tile sizes of ``gate_grads``: BLOCK_R = next_pow2(R) ranks, up to 64 columns (fewer from R = 8 on,
-    so that ranks x column lanes fit one warp; at most ``max_block_p``, a power of two), the rest tokens."""
+    so that ranks x column lanes fit one warp; at most ``max_block_p``, a power of two), the rest tokens
+    (``tile_elements`` in all, a power of two)."""
     block_r = next_power_of_2(R)
     block_p = min(MAX_BLOCK_P, max_block_p, max(1, WARP_LANES // block_r) * 8, next_power_of_2(P))
-    block_t = max(1, TILE_ELEMENTS // (block_r * block_p))
+    block_t = max(1, tile_elements // (block_r * block_p))
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p)
 
 
 def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_block_p=None, v=None, mimo_v=None,
-               d=None, tokens_per_program=64, num_warps=4):
+               d=None, tokens_per_program=64, tile_elements=TILE_ELEMENTS, num_warps=4):
     """Write ``dz`` and return the per-token-range partials of dPhi and dZeta.
 
     Args (contiguous): raw_y: [B, H, S, R, P] fp32, or fp16 with raw_y_scale: [B, H, S, R, cdiv(P,
@@ -156,6 +157,7 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
         v: [B, S, H, P], mimo_v: [H, R, P] fp32, d: [H] fp32, all three or none: raw_y was computed without
         the D skip (``chunk_scan`` with d=None) and D v Psi is added to it here, in fp32.
         tokens_per_program: the token range of one program (rounded up to whole tiles).
+        tile_elements: elements of one [ranks, tokens, cols] tile (a power of two; ``gate_grads_meta``).
     Returns:
         dphi_partial, dzeta_partial: [B, H, n_ranges, R, P] fp32 (dzeta_partial None without Z), to be
         summed over dim 2 by ``sum_group_partials``.
@@ -165,11 +167,12 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
     has_d = d is not None
     if (v is None) != (not has_d) or (mimo_v is None) != (not has_d):
         raise ValueError("gate_grads: v, mimo_v and d (the D skip added here) go together")
-    meta = gate_grads_meta(R=R, P=P)
+    if tile_elements < 1 or tile_elements & (tile_elements - 1):
+        raise ValueError(f"gate_grads: tile_elements must be a power of two, got {tile_elements}")
     n_scale_tiles, scale_cols = 1, P
     if scaled:
         n_scale_tiles, scale_cols = cdiv(P, scale_block_p), scale_block_p
-        meta = gate_grads_meta(R=R, P=P, max_block_p=scale_block_p)
+    meta = gate_grads_meta(R=R, P=P, max_block_p=scale_cols if scaled else MAX_BLOCK_P, tile_elements=tile_elements)
     tokens_per_program = cdiv(tokens_per_program, meta["BLOCK_T"]) * meta["BLOCK_T"]
     n_ranges = cdiv(S, tokens_per_program)
     n_pblocks = cdiv(P, meta["BLOCK_P"])

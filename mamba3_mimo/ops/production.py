@@ -119,6 +119,7 @@ class ScanConfig:
     d_in_gate: with split_gate (not gate_in_scan) and D, ``gate_grads`` adds the D skip to raw_y (reading v
     again) and ``chunk_scan`` leaves it out, instead of ``chunk_scan`` adding it after its products from v and
     Psi read again (volatile loads on its path to the raw_y store).  Not timed yet: off by default.
+    gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs.
     """
 
     block_p: int
@@ -141,6 +142,8 @@ class ScanConfig:
     scan_prefetch: bool = False
     half_raw_y: bool = True
     d_in_gate: bool = False
+    gate_tile_elements: int = 2048
+    gate_num_warps: int = 4
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -153,11 +156,13 @@ class ScanConfig:
         for name in ("out_max_registers", "scan_max_registers"):
             if getattr(self, name) and not 24 <= getattr(self, name) <= 255:
                 raise ValueError(f"ScanConfig.{name} must be 0 or in 24..255, got {getattr(self, name)}")
+        if self.gate_tile_elements < 1 or self.gate_tile_elements & (self.gate_tile_elements - 1):
+            raise ValueError(f"ScanConfig.gate_tile_elements must be a power of two, got {self.gate_tile_elements}")
         if self.gate_tokens < 1:
             raise ValueError(f"ScanConfig.gate_tokens must be >= 1, got {self.gate_tokens}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
-        for name in ("num_warps", "out_num_warps"):
+        for name in ("num_warps", "out_num_warps", "gate_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
 
@@ -425,7 +430,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
         dphi, dzeta = gate_grads(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout,
                                  z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens,
-                                 **skip)
+                                 tile_elements=config.gate_tile_elements, num_warps=config.gate_num_warps, **skip)
     else:
         dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                    q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
