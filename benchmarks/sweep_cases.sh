@@ -9,7 +9,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 for c in ${CASES}; do
   timeout ${CASE_TIMEOUT:-100} python3 -m mamba3_mimo.bench --cases $c --impl production --sweep --knobs ${KNOBS} \
-    ${NOZ:+--no-z} --input-sets 2 --breakdown --json "$OUT/sw_$c.json" 2>&1 | grep -E "FAILED" | cut -c 1-400 | head -3
+    ${NOZ:+--no-z} --input-sets 2 --breakdown --json "$OUT/sw_$c.json" 2>&1 | grep -E "FAILED|error|Error" | cut -c 1-400 | head -3
 done
 python3 - <<'PY'
 import glob, json, os
