@@ -34,50 +34,13 @@ from .triton_utils import (
 
 
 @triton.jit
-def _qk_rows(q_ptr, k_ptr, q_bias_ptr, k_bias_ptr, cos_ptr, sin_ptr, offs_cols, col_mask, t_tok, tok_mask, rank,
-             rank_mask, qk_seq_offs, qk_token_stride, angle_seq, h, H, G, R: tl.constexpr, N: tl.constexpr,
-             RD: tl.constexpr, ROTATE: tl.constexpr, ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """q~ and k~ on the column pairs (n, N/2 + n), n in ``offs_cols``: halves [ROWS, cols] in DOT_DTYPE, rows
-    (token, rank) of a [tokens, ranks] grid.  Each row adds its rank's bias; with ROTATE the pairs rotate by their
-    token's angles (cos 1, sin 0 from n = RD on), without it the columns must all be >= RD.  Padding rows and
-    columns are zero (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64)."""
-    HALF: tl.constexpr = N // 2
-    mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & col_mask[None, None, :]
-    x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
-                            + offs_cols[None, None, :])
-    bias_offs = h * R * N + rank[:, None] * N + offs_cols[None, :]
-    bias_mask = rank_mask[:, None] & col_mask[None, :]
-    q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-    q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-    k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-    k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-    q_lo, q_hi = tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0)
-    k_lo, k_hi = tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0)
-    if ROTATE:
-        # q~ and k~ rows share their token's cos / sin tiles.
-        angle_offs = t_tok[:, None] * (H * RD) + offs_cols[None, :]
-        rotated = tok_mask[:, None] & (offs_cols < RD)[None, :]
-        cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(tl.float32)[:, None, :]
-        sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(tl.float32)[:, None, :]
-        q_lo, q_hi = rotate_half(q_lo, q_hi, cos, sin)
-        k_lo, k_hi = rotate_half(k_lo, k_hi, cos, sin)
-    cols: tl.constexpr = offs_cols.shape[0]
-    return (tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, cols)), tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, cols)),
-            tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, cols)), tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, cols)))
-
-
-@triton.jit
 def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROT: tl.constexpr, BLOCK_ID: tl.constexpr,
-    BLOCK_P: tl.constexpr, SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
@@ -97,6 +60,8 @@ def _span_raw_y(
     ROWS: tl.constexpr = BLOCK_L * BLOCK_R
     tok = tl.arange(0, BLOCK_L)
     rank = tl.arange(0, BLOCK_R)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    half_mask = offs_half < HALF
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < P
     t0 = span * L
@@ -117,28 +82,37 @@ def _span_raw_y(
     hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
     angle_seq = (b * S * H + h) * RD
 
-    # The columns n < RD rotate with their pair N/2 + n, the others do not: with BLOCK_ID > 0 they are separate
-    # tiles (rotated pairs, then unrotated pairs), so no rotation math runs on columns whose cos is 1.
-    ROT_COLS: tl.constexpr = RD if BLOCK_ID > 0 else HALF
-    offs_rot = tl.arange(0, BLOCK_ROT)
     state_lo, state_hi = load_entering_state(
-        states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_rot,
-        offs_rot < ROT_COLS, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
-    q_lo, q_hi, k_lo, k_hi = _qk_rows(
-        q_ptr, k_ptr, q_bias_ptr, k_bias_ptr, cos_ptr, sin_ptr, offs_rot, offs_rot < ROT_COLS, t_tok, tok_mask, rank,
-        rank_mask, qk_seq_offs, qk_token_stride, angle_seq, h, H, G, R, N, RD, True, ROWS, DOT_DTYPE)
+        states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+        half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
+
+    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
+    # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
+    angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
+    rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
+    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(tl.float32)[:, None, :]
+    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(tl.float32)[:, None, :]
+    mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
+    x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
+                            + offs_half[None, None, :])
+    bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
+    bias_mask = rank_mask[:, None] & half_mask[None, :]
+    q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+    q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+    q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
+    k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+    k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+        tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+    k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
+    q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
     scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
     scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
-    if BLOCK_ID > 0:
-        offs_id = RD + tl.arange(0, BLOCK_ID)
-        state_id_lo, state_id_hi = load_entering_state(
-            states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_id,
-            offs_id < HALF, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
-        q_id_lo, q_id_hi, k_id_lo, k_id_hi = _qk_rows(
-            q_ptr, k_ptr, q_bias_ptr, k_bias_ptr, cos_ptr, sin_ptr, offs_id, offs_id < HALF, t_tok, tok_mask, rank,
-            rank_mask, qk_seq_offs, qk_token_stride, angle_seq, h, H, G, R, N, RD, False, ROWS, DOT_DTYPE)
-        scores = tl.dot(q_id_lo, tl.trans(k_id_lo), scores, input_precision=DOT_PRECISION)
-        scores = tl.dot(q_id_hi, tl.trans(k_id_hi), scores, input_precision=DOT_PRECISION)
     if pid_p == 0:
         # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
         qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
@@ -158,9 +132,6 @@ def _span_raw_y(
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
-    if BLOCK_ID > 0:
-        y_state = tl.dot(q_id_lo, state_id_lo.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
-        y_state = tl.dot(q_id_hi, state_id_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
     raw_y += tl.exp(da_rows)[:, None] * y_state
     if HAS_D:
         # The D skip in fp32, from v and Psi read again (volatile: not merged with the loads above, whose fp32
@@ -180,8 +151,8 @@ def _chunk_scan_kernel(
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
     raw_y_ptr, raw_y_scale_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROT: tl.constexpr, BLOCK_ID: tl.constexpr,
-    BLOCK_P: tl.constexpr, SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr,
 ):
@@ -195,7 +166,7 @@ def _chunk_scan_kernel(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
-            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_ROT, BLOCK_ID, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
@@ -217,8 +188,8 @@ def _chunk_scan_gate_kernel(
     dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
     S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, N_SPANS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROT: tl.constexpr, BLOCK_ID: tl.constexpr,
-    BLOCK_P: tl.constexpr, SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr,
 ):
@@ -240,7 +211,7 @@ def _chunk_scan_gate_kernel(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_ROT, BLOCK_ID, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
@@ -268,20 +239,11 @@ def _chunk_scan_gate_kernel(
             tl.store(dzeta_ptr + part, dzeta, mask=part_mask)
 
 
-def chunk_scan_meta(*, chunk_size, R, N, RD, block_p, span_chunks=1):
-    """Block sizes of the chunk scan: rows = a span's (token, rank) pairs, every tl.dot dimension >= 16.
-
-    The column pairs (n, N/2 + n) are one tile of BLOCK_ROT (BLOCK_ID = 0), or, where both parts fill tiles
-    of 16 columns without more padding than that, the rotated ones (n < RD) in BLOCK_ROT and the rest in BLOCK_ID.
-    """
+def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
+    """Block sizes of the chunk scan: rows = a span's (token, rank) pairs, every tl.dot dimension >= 16."""
     block_r = next_power_of_2(R)
-    block_half = max(16, next_power_of_2(N // 2))
-    block_rot, block_id = block_half, 0
-    unrotated = N // 2 - RD
-    if RD >= 16 and unrotated >= 16 and next_power_of_2(RD) + next_power_of_2(unrotated) <= block_half:
-        block_rot, block_id = next_power_of_2(RD), next_power_of_2(unrotated)
     return dict(BLOCK_L=max(next_power_of_2(chunk_size * span_chunks), 16 // min(block_r, 16)), BLOCK_R=block_r,
-                BLOCK_ROT=block_rot, BLOCK_ID=block_id, BLOCK_P=block_p, SPAN_CHUNKS=span_chunks)
+                BLOCK_HALF=max(16, next_power_of_2(N // 2)), BLOCK_P=block_p, SPAN_CHUNKS=span_chunks)
 
 
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
@@ -319,9 +281,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     if (raw_y is None) == (dout is None):
         raise ValueError("chunk_scan: pass raw_y (the scratch to fill) or dout (apply the gate), not both")
     scaled = raw_y is not None and host_utils.check_raw_y_scratch("chunk_scan", raw_y, raw_y_scale, block_p)
-    meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, RD=cos_angles.shape[3], block_p=block_p,
-                           span_chunks=span_chunks)
-    if host_utils.compiled_for_gpu(q) and N // 2 > 32 and block_p < 64:
+    meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
+    if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
         # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
         # small sizes, an illegal address at full size; the interpreter computes the same launch right.
         raise ValueError(f"chunk_scan: a P tile of {block_p} with N/2 = {N // 2} miscompiles on this Triton; "
