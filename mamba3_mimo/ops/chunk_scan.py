@@ -24,7 +24,7 @@ from .launch import launch
 from .triton_utils import (
     fp16_row_scaled,
     intra_chunk_weights,
-    load_entering_state_rows,
+    load_entering_state,
     load_rows,
     load_token_weights,
     rotate_half,
@@ -82,12 +82,9 @@ def _span_raw_y(
     hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
     angle_seq = (b * S * H + h) * RD
 
-    # q~ and k~ tiles interleave their halves' columns, (n, N/2 + n) side by side, so that each product over N is
-    # one dot; the state's rows are read in that order.
-    pair_rows = tl.arange(0, 2 * BLOCK_HALF)
-    state = load_entering_state_rows(
-        states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-        pair_rows // 2 + (pair_rows % 2) * HALF, pair_rows // 2 < HALF, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
+    state_lo, state_hi = load_entering_state(
+        states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+        half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
 
     # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
     # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
@@ -110,9 +107,12 @@ def _span_raw_y(
     k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
         tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
     k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
-    q_rot = tl.reshape(tl.interleave(q_lo.to(DOT_DTYPE), q_hi.to(DOT_DTYPE)), (ROWS, 2 * BLOCK_HALF))
-    k_rot = tl.reshape(tl.interleave(k_lo.to(DOT_DTYPE), k_hi.to(DOT_DTYPE)), (ROWS, 2 * BLOCK_HALF))
-    scores = tl.dot(q_rot, tl.trans(k_rot), input_precision=DOT_PRECISION)
+    q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_lo = tl.reshape(k_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    k_hi = tl.reshape(k_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
+    scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision=DOT_PRECISION)
     if pid_p == 0:
         # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
         qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
@@ -130,7 +130,8 @@ def _span_raw_y(
 
     mixing = scores * weights
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    y_state = tl.dot(q_rot, state.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
     raw_y += tl.exp(da_rows)[:, None] * y_state
     if HAS_D:
         # The D skip in fp32, from v and Psi read again (volatile: not merged with the loads above, whose fp32

@@ -330,34 +330,6 @@ def load_entering_state(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_ch
 
 
 @triton.jit
-def load_entering_state_rows(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG,
-                             N_SEGMENTS, state_rows, row_mask, offs_p, p_mask, N: tl.constexpr, P: tl.constexpr,
-                             SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr):
-    """``load_entering_state`` for one tile of any state rows: [rows, cols] fp32, tile row i is state row
-    ``state_rows[i]`` (masked by ``row_mask``)."""
-    state_offs = state_rows[:, None] * P + offs_p[None, :]
-    state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + state_offs
-    tile_mask = row_mask[:, None] & p_mask[None, :]
-    state = tl.load(state_tile, mask=tile_mask & (first_chunk < NCH), other=0.0).to(tl.float32)
-    if ADD_ENTRY:
-        for i in tl.static_range(SPAN_CHUNKS):
-            chunk = first_chunk + i
-            seg = chunk // CHUNKS_PER_SEG
-            entry_scale = tl.load(entry_decay_ptr + bh * NCH + chunk, mask=chunk < NCH, other=0.0)
-            entry_tile = seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + state_offs
-            fix_mask = tile_mask & (chunk < NCH) & (seg > 0)  # segment 0 enters from zero
-            if i == 0:
-                local = state
-            else:
-                local = tl.load(state_tile + i * N * P, mask=fix_mask, other=0.0).to(tl.float32)
-            full = local + entry_scale * tl.load(entry_tile, mask=fix_mask, other=0.0)
-            tl.store(state_tile + i * N * P, full.to(states_ptr.dtype.element_ty), mask=fix_mask)
-            if i == 0:
-                state = full
-    return state
-
-
-@triton.jit
 def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask, VOLATILE: tl.constexpr = False):
     """[rows, cols] fp32 tile, row i read at ``ptr + row_offs[i] + col``; masked elements are 0.
 
