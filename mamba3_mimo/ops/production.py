@@ -118,9 +118,10 @@ class ScanConfig:
     relative; ``raw_y_scratch_dtype``); other activations, or False, keep it fp32.
     d_in_gate: with split_gate (not gate_in_scan) and D, ``gate_grads`` adds the D skip to raw_y (reading v
     again) and ``chunk_scan`` leaves it out, instead of ``chunk_scan`` adding it after its products from v and
-    Psi read again (volatile loads on its path to the raw_y store).  Sweep of 6309ed2 (graph us, off -> on):
-    N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N16 267 -> 263, N64_P128 465 -> 464 (chunk_scan -11 to -35 us,
-    gate_grads +7 to +19).
+    Psi read again (volatile loads on its path to the raw_y store).  Sweeps of 6309ed2 and c08c5c8 (graph us, off
+    -> on): N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
+    (chunk_scan -11 to -35 us, gate_grads +7 to +19); off by default until the GPU test grids have run with it
+    (docs/optimization.md section 26).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs.
     """
 
@@ -143,7 +144,7 @@ class ScanConfig:
     scan_max_registers: int = 0
     scan_prefetch: bool = False
     half_raw_y: bool = True
-    d_in_gate: bool = True
+    d_in_gate: bool = False
     gate_tile_elements: int = 2048
     gate_num_warps: int = 4
 
