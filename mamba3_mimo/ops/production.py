@@ -122,7 +122,8 @@ class ScanConfig:
     -> on): N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
     (chunk_scan -11 to -35 us, gate_grads +7 to +19); off by default until the GPU test grids have run with it
     (docs/optimization.md section 26).
-    gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs.
+    gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
+    at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
 
     block_p: int
