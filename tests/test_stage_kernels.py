@@ -279,6 +279,20 @@ def test_output_stages_take_entry_states_with_their_decays(stage, give):
             chunk_output(**tensors, dout=act, z=None, mimo_o=act, mimo_z=None, dz=None, chunks_per_program=1)
 
 
+@pytest.mark.parametrize("given,match", [
+    (dict(d="d"), "go together"), (dict(v="act", mimo_v="head"), "go together"),
+    (dict(v="act", d="d"), "go together"), (dict(tile_elements=3000), "tile_elements")])
+def test_gate_grads_refuses_partial_d_skip_and_bad_tiles(given, match):
+    """The D skip added in gate_grads needs v, Psi and D together, and a tile is a power of two: refused before
+    any launch."""
+    B, H, S, R, P = 1, 2, 8, 2, 16
+    tensors = dict(act=torch.zeros((B, S, H, P)), head=torch.zeros((H, R, P)), d=torch.zeros((H,)))
+    kwargs = {k: tensors[v] if isinstance(v, str) else v for k, v in given.items()}
+    with pytest.raises(ValueError, match=match):
+        gate_grads(raw_y=torch.zeros((B, H, S, R, P)), dout=tensors["act"], z=None, mimo_o=tensors["head"],
+                   mimo_z=None, dz=None, **kwargs)
+
+
 @pytest.mark.parametrize("bad", ["fp16 without scales", "scales of the wrong shape", "fp32 with scales", "bf16",
                                  "scale tile not a power of two"])
 def test_raw_y_scratch_refused(bad):

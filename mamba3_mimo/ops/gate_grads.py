@@ -165,7 +165,7 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
     B, H, S, R, P = raw_y.shape
     scaled = host_utils.check_raw_y_scratch("gate_grads", raw_y, raw_y_scale, scale_block_p)
     has_d = d is not None
-    if (v is None) != (not has_d) or (mimo_v is None) != (not has_d):
+    if (v is None) == has_d or (mimo_v is None) == has_d:
         raise ValueError("gate_grads: v, mimo_v and d (the D skip added here) go together")
     if tile_elements < 1 or tile_elements & (tile_elements - 1):
         raise ValueError(f"gate_grads: tile_elements must be a power of two, got {tile_elements}")
