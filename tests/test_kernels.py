@@ -277,12 +277,17 @@ SPLIT_GATE_CASES = [
          gate_in_scan=True),
     dict(S=20, chunk_size=16, R=1, G=2, N=64, P=32, n_segments=1, out_span=1, local=False, out_block_p=32, z=True,
          gate_in_scan=True),
-    # chunk_scan adding the D skip itself (d_in_gate off; the cases above have gate_grads add it): local states and
-    # padding ranks, two-pass with GQA.
+    # chunk_scan adding the D skip after its products (d_in_gate off; the cases above add it in the gate's math, in
+    # gate_grads or in chunk_scan's gate epilogue): local states and padding ranks, two-pass with GQA, and the gate in
+    # chunk_scan without Z and with it at one rank.
     dict(S=53, chunk_size=8, R=6, G=1, N=32, P=32, n_segments=3, out_span=2, local=True, out_block_p=32, z=True,
          d_in_gate=False),
     dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=False,
          d_in_gate=False),
+    dict(S=37, chunk_size=4, R=4, G=1, N=16, P=16, n_segments=2, out_span=4, local=False, out_block_p=16, z=False,
+         gate_in_scan=True, d_in_gate=False),
+    dict(S=20, chunk_size=16, R=1, G=2, N=64, P=32, n_segments=1, out_span=1, local=False, out_block_p=32, z=True,
+         gate_in_scan=True, d_in_gate=False),
 ]
 
 
@@ -302,22 +307,24 @@ def test_production_split_gate(check_kernel, case, dtype):
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 
 
+@pytest.mark.parametrize("gate_in_scan", [False, True])
 @pytest.mark.parametrize("d_in_gate", [False, True])
-def test_split_stage_rounds_like_the_fused_one(request, device, d_in_gate):
+def test_split_stage_rounds_like_the_fused_one(request, device, d_in_gate, gate_in_scan):
     """fp16 activations (fp16 products, also in the interpreter), fp32 outputs: the split output stage's dPhi and dz
     are as close to float64 as the fused stage's, which adds the D skip in fp32.
 
     chunk_scan folded D into the mixing matrix's diagonal, so D psiv went through the product's fp16 operands; where
     it is most of raw_y (short sequences) dPhi's MERE came out 1.7-5x the fused stage's, and on the GPU (bf16) the
     pairwise grid's dual benchmark failed on 2 of 128 random inputs (benchmarks/scratch_margins.py).  Both places of
-    the D skip: chunk_scan after its products, or gate_grads (d_in_gate).
+    the D skip (chunk_scan after its products, or the gate's math: d_in_gate), with the gate in gate_grads or in
+    chunk_scan.
     """
     inputs = make_inputs(B=2, S=64, H=2, G=2, N=64, P=64, R=4, chunk_size=16, dtype=F16, device=device,
                          seed=seed_for(request.node.nodeid))
     golden = bwd_fwd_reference(**{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in inputs.items()})
     base = ScanConfig(block_p=32, n_segments=2, out_block_p=64, out_num_warps=4)
     errors = {}
-    split = dataclasses.replace(base, split_gate=True, d_in_gate=d_in_gate)
+    split = dataclasses.replace(base, split_gate=True, d_in_gate=d_in_gate, gate_in_scan=gate_in_scan)
     for name, config in (("split", split), ("fused", base)):
         got = api.bwd_fwd(**inputs, output_dtype=F32, impl="production", config=config)
         errors[name] = [mere_mare(got[i].cpu(), golden[i])[0] for i in (2, 4)]  # dmimo_o, dz

@@ -262,6 +262,16 @@ def test_chunk_scan_takes_raw_y_or_dout(give):
         chunk_scan(**tensors, **chosen, chunk_size=4, block_p=16, dot_dtype=None, dot_precision=None)
 
 
+def test_chunk_scan_d_in_gate_needs_the_gate():
+    """d_in_gate moves the D skip into the gate's math: with a raw_y scratch to fill there is no gate, refused."""
+    x = torch.zeros(1, 4, 1, 1, 16)
+    act = torch.zeros(1, 4, 1, 16)
+    tensors = dict(q=x, k=x, v=act, cos_angles=act, sin_angles=act, q_bias=x, k_bias=x, mimo_v=act, d=act[0, 0, 0],
+                   da_cs=act, da_cs_rev=act, gamma=act, trap_scale=act, states=x, qk_dot=x)
+    with pytest.raises(ValueError, match="d_in_gate applies with dout"):
+        chunk_scan(**tensors, raw_y=x, chunk_size=4, block_p=16, dot_dtype=None, dot_precision=None, d_in_gate=True)
+
+
 @pytest.mark.parametrize("stage", ["chunk_scan", "chunk_output"])
 @pytest.mark.parametrize("give", ["seg_entry", "entry_decay"])
 def test_output_stages_take_entry_states_with_their_decays(stage, give):

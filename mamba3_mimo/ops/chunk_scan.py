@@ -191,10 +191,13 @@ def _chunk_scan_gate_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
-    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
-    tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials)."""
+    tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
+
+    D_AT_GATE (with HAS_D): the D skip joins the gate's fp32 [tokens, ranks, cols] math from v and Psi, instead of
+    _span_raw_y's volatile reload after its products."""
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
@@ -211,13 +214,17 @@ def _chunk_scan_gate_kernel(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
             DOT_DTYPE, DOT_PRECISION)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
-        y_dout = tl.reshape(raw_y, (BLOCK_L, BLOCK_R, BLOCK_P)) * \
-            load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        y = tl.reshape(raw_y, (BLOCK_L, BLOCK_R, BLOCK_P))
+        if HAS_D and D_AT_GATE:
+            d_psi = tl.load(d_ptr + h).to(tl.float32) * load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p,
+                                                                  p_mask)
+            y += d_psi[None, :, :] * load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        y_dout = y * load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
         phi = load_rows(phi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
         if HAS_Z:
             z = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
@@ -249,7 +256,7 @@ def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
-               entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1):
+               entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -257,7 +264,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     span_chunks * C tokens, and one P tile of ``block_p`` columns.  With ``seg_entry`` and ``entry_decay`` (from
     ``segment_entry_states``), ``states`` holds segment-local states on entry (``chunk_local_states``, segments of
     ``chunks_per_segment`` chunks) and the full states on return.  ``max_registers`` caps the
-    registers per thread (0: the compiler's choice).
+    registers per thread (0: the compiler's choice).  ``d_in_gate`` (with ``dout`` and ``d``) adds the D skip
+    in the gate's fp32 math rather than after the products.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32 or fp16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -280,6 +288,9 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         raise ValueError("chunk_scan: seg_entry and entry_decay go together (segment_entry_states)")
     if (raw_y is None) == (dout is None):
         raise ValueError("chunk_scan: pass raw_y (the scratch to fill) or dout (apply the gate), not both")
+    if d_in_gate and dout is None:
+        raise ValueError("chunk_scan: d_in_gate applies with dout (the gate in chunk_scan); to leave D out of a "
+                         "stored raw_y, pass d=None")
     scaled = raw_y is not None and host_utils.check_raw_y_scratch("chunk_scan", raw_y, raw_y_scale, block_p)
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
     if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
@@ -307,5 +318,5 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     dzeta = torch.empty_like(dphi) if has_z else None
     launch(_chunk_scan_gate_kernel, grid, *inputs, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
            dz if has_z else dout, dphi, dzeta if has_z else dphi, *sizes, n_spans, **constants,
-           HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(q))
+           HAS_Z=has_z, FAST_SIGMOID=host_utils.compiled_for_gpu(q), D_AT_GATE=d_in_gate)
     return dphi, dzeta

@@ -116,12 +116,13 @@ class ScanConfig:
     half_raw_y: with split_gate and bf16 activations, the raw_y scratch between ``chunk_scan`` and
     ``gate_grads`` is fp16 with a power-of-two scale per row (half the bytes of fp32 each way, 2^-12
     relative; ``raw_y_scratch_dtype``); other activations, or False, keep it fp32.
-    d_in_gate: with split_gate (not gate_in_scan) and D, ``gate_grads`` adds the D skip to raw_y (reading v
-    again) and ``chunk_scan`` leaves it out, instead of ``chunk_scan`` adding it after its products from v and
-    Psi read again (volatile loads on its path to the raw_y store).  Sweeps of 6309ed2 and c08c5c8 (graph us, off
-    -> on): N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
-    (chunk_scan -11 to -35 us, gate_grads +7 to +19); off by default until the GPU test grids have run with it
-    (docs/optimization.md section 26).
+    d_in_gate: with split_gate and D, the D skip joins the gate's fp32 math (``gate_grads`` reads v again; with
+    gate_in_scan, ``chunk_scan``'s gate epilogue adds it from v and Psi) and ``chunk_scan``'s products leave it out,
+    instead of ``chunk_scan`` adding it after its products from v and Psi read again (volatile loads on its path to
+    the raw_y store).  Sweeps of 6309ed2 and c08c5c8 with Z (gate_grads' form; graph us, off -> on):
+    N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
+    (chunk_scan -11 to -35 us, gate_grads +7 to +19); the gate_in_scan form (Z off, R = 1) is not yet timed.  Off
+    by default until the GPU test grids have run with it (docs/optimization.md sections 26-27).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
@@ -413,9 +414,11 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
         num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
         entry_decay=entry_decay, chunks_per_segment=chunks_per_segment)
+    d_in_gate = config.d_in_gate and d is not None
     if config.split_gate and config.gate_in_scan:
         dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
-                                 max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+                                 max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program,
+                                 d_in_gate=d_in_gate)
     elif config.split_gate:
         # dz sums raw_y over ranks, and where those terms cancel the scratch's rounding shows in full: a bf16 raw_y
         # (2^-9) tipped dz over the dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE
@@ -428,7 +431,6 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         if raw_y_dtype == torch.float16:
             raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
                                       dtype=torch.float32)
-        d_in_gate = config.d_in_gate and d is not None
         chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                    max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
         skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
