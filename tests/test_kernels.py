@@ -151,11 +151,17 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, end_span_chunks=2, scan_prefetch=True),
     ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=True, split_gate=True, state_span_chunks=2,
                scan_prefetch=True),
+    # Scans whose upper N/2 tile (n >= RD = 16 of 32) skips the rotation: two passes, then local states loading
+    # a step ahead.
+    ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, scan_skip_unrotated=True),
+    ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, local_states=True, split_gate=True,
+               scan_prefetch=True, scan_skip_unrotated=True),
 ]
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
-                         f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else ""))
+                         f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else "")
+                         + ("-skip" if c.scan_skip_unrotated else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""

@@ -74,7 +74,7 @@ def _state_scan_kernel(
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, SKIP_UNROTATED: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     # A step takes a span of SPAN_CHUNKS chunks (L tokens); CHUNKS_PER_SEG is a multiple of SPAN_CHUNKS.
@@ -92,6 +92,9 @@ def _state_scan_kernel(
     row_t, row_r, row_valid = chunk_rows(BLOCK_ROWS, L, R)
     offs_half = pid_n * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     half_mask = offs_half < HALF
+    # Columns n >= RD of each half have cos 1 and sin 0: a tile wholly past RD (the upper N/2 tiles where
+    # BLOCK_HALF <= RD) has nothing to rotate, and its programs branch around the rotation math.
+    tile_rotated = pid_n * BLOCK_HALF < RD
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < P
 
@@ -163,7 +166,11 @@ def _state_scan_kernel(
         # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
         k_lo_t, k_hi_t = add_bias_halves(k_lo_t, k_hi_t, k_bias_head, row_r, row_mask, offs_half, half_mask, N,
                                          TRANSPOSED=True)
-        k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(tl.float32), sin_t.to(tl.float32))
+        if SKIP_UNROTATED:
+            if tile_rotated:
+                k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(tl.float32), sin_t.to(tl.float32))
+        else:
+            k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(tl.float32), sin_t.to(tl.float32))
         k_lo_t = k_lo_t.to(DOT_DTYPE)
         k_hi_t = k_hi_t.to(DOT_DTYPE)
         # exp(da_cs_rev) decays each token to its chunk's end (with one product over a span: to the span end);
@@ -207,7 +214,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
             num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1, max_registers=0,
-            prefetch=False):
+            prefetch=False, skip_unrotated=False):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
@@ -221,7 +228,8 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta,
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PREFETCH=prefetch, num_warps=num_warps, num_stages=1,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PREFETCH=prefetch, SKIP_UNROTATED=skip_unrotated,
+        num_warps=num_warps, num_stages=1,
         **({'maxnreg': max_registers} if max_registers else {}),
     )
 
@@ -240,8 +248,8 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
         fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's
-        choice), prefetch (issue each step's loads one step ahead); chunks_per_segment must be a multiple of
-        span_chunks.
+        choice), prefetch (issue each step's loads one step ahead), skip_unrotated (programs whose N/2 tile lies
+        past the rotary dims branch around the rotation); chunks_per_segment must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

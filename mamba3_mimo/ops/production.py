@@ -110,6 +110,10 @@ class ScanConfig:
     holds three 4-warp scan programs instead of two where the compiler takes 255 (the 64-wide tiles).
     scan_prefetch: the state scans issue each step's loads one step ahead (held in registers across the
     step's products), so their latency hides under the previous step's work.
+    scan_skip_unrotated: state-scan programs whose N/2 tile lies wholly past the rotary dims (n >= RD = N/4 in
+    each half: the upper tiles where block_half <= RD, e.g. N = 256 at 64, N = 128 at 32) branch around the
+    rotation math.  Statically -9 to -15% of the loop's SASS for those programs (docs/optimization.md section 27);
+    untimed, off by default.
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
     Z, and with Z at R = 1).
@@ -145,6 +149,7 @@ class ScanConfig:
     gate_in_scan: bool = False
     scan_max_registers: int = 0
     scan_prefetch: bool = False
+    scan_skip_unrotated: bool = False
     half_raw_y: bool = True
     d_in_gate: bool = False
     gate_tile_elements: int = 2048
@@ -391,7 +396,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
-                prefetch=config.scan_prefetch)
+                prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
