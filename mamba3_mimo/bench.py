@@ -228,6 +228,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         d_in_gate=[False, True],
         gate_tile_elements=[1024, 2048, 4096],
         gate_num_warps=[4, 8],
+        scan_skip_unrotated=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -1,0 +1,105 @@
+"""Bytes each production kernel touches on an official shape, and the bandwidth that implies, without a GPU.
+
+    python benchmarks/traffic_report.py                              # official grid, Z on, dispatcher configs
+    python benchmarks/traffic_report.py --cases N128_P64_R4_C16 --config d_in_gate=1 --no-z
+    python benchmarks/traffic_report.py --breakdown benchmarks/results/<sweep or breakdown>.json
+
+The launches of one bf16 call are captured as ``aot_report.py`` captures them (uninitialized CPU tensors,
+nothing runs), and each launch's tensor arguments are counted once each, deduplicated by storage (the host
+passes aliases for the inputs a specialization does not read).  chunk_scan / chunk_output with local states
+read ``states`` and write back the chunks of every segment but the first: that rewrite is added.  This is a
+model of the design's traffic, not a measurement: a tensor another kernel just wrote may still sit in the
+50 MB L2, and a tensor a kernel reads in part counts whole.  With ``--breakdown`` (a JSON whose records hold
+``breakdown_us`` per kernel, from ``python -m mamba3_mimo.bench --breakdown`` or ``sweep_cases.sh``) each
+kernel's bytes are divided by its measured time, for the record of the dispatcher's config of each case.
+"""
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import aot_report  # noqa: E402
+from mamba3_mimo import api  # noqa: E402
+from mamba3_mimo.bench import OFFICIAL_CASES, hbm_floor_bytes, parse_case  # noqa: E402
+from mamba3_mimo.ops.production import choose_config  # noqa: E402
+
+SHAPE = dict(B=4, S=2048, H=16, G=1)
+COPY_TBS = 4.27  # the anchor file's copy bandwidth (read + write) on the H200
+
+
+def launch_bytes(name, args, kwargs):
+    """Bytes of the distinct tensors one launch takes, plus the local-state rewrite of ``states``."""
+    seen = {}
+    for arg in args:
+        if torch.is_tensor(arg):
+            seen.setdefault(arg.untyped_storage().data_ptr(), arg.numel() * arg.element_size())
+    total = sum(seen.values())
+    if kwargs.get("ADD_ENTRY"):  # the output stages with local states
+        named = dict(zip(aot_report.KERNELS[name].arg_names, args))
+        states, n_segments = named["states_ptr"], named["N_SEGMENTS"]
+        total += states.numel() * states.element_size() * (n_segments - 1) // n_segments
+    return total
+
+
+def case_traffic(case, overrides, has_z):
+    """{kernel name: bytes} summed over the launches of one call, the HBM floor in bytes, and the config."""
+    shape = parse_case(case)
+    config = dataclasses.replace(choose_config(num_sms=132, has_z=has_z, B=SHAPE["B"], H=SHAPE["H"], S=SHAPE["S"],
+                                               **shape), **overrides)
+    inputs = aot_report.empty_inputs(dtype=torch.bfloat16, z=has_z, **SHAPE, **shape)
+    launches = aot_report.capture_launches(
+        lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
+    per_kernel = collections.Counter()
+    for name, args, kwargs in launches:
+        per_kernel[name] += launch_bytes(name, args, kwargs)
+    return per_kernel, hbm_floor_bytes(inputs, has_z, torch.bfloat16), config
+
+
+def same_config(recorded, config):
+    """Whether a record's config dict is ``config``; fields added since the record was written must hold their
+    defaults."""
+    return all(recorded.get(field.name, field.default) == getattr(config, field.name)
+               for field in dataclasses.fields(config))
+
+
+def measured_times(path, case, config):
+    """breakdown_us of the record of ``case`` run with ``config`` in a bench / sweep JSON (None if absent)."""
+    for record in json.load(open(path))["records"]:
+        if record.get("case") == case and record.get("breakdown_us") and same_config(record.get("config", {}), config):
+            return {name.strip("_").removesuffix("_kernel"): us for name, us in record["breakdown_us"].items()}
+    return None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(OFFICIAL_CASES))
+    parser.add_argument("--config", default="", help="ScanConfig fields key=value,... replacing the dispatcher's")
+    parser.add_argument("--no-z", action="store_true")
+    parser.add_argument("--breakdown", help="a JSON with breakdown_us records (bench --breakdown, sweep_cases.sh)")
+    args = parser.parse_args(argv)
+    overrides = aot_report.parse_config(args.config) if args.config else {}
+    aot_report.compile_as_cuda()
+    print(f"{'case':<17} {'kernel':<16} {'MB':>7} {'us':>7} {'TB/s':>6}")
+    for case in args.cases:
+        per_kernel, floor, config = case_traffic(case, overrides, not args.no_z)
+        times = measured_times(args.breakdown, case, config) if args.breakdown else None
+        for name, nbytes in per_kernel.most_common():
+            us = times.get(name) if times else None
+            rate = f"{nbytes / (us * 1e-6) / 1e12:>6.2f}" if us else f"{'':>6}"
+            print(f"{case:<17} {name:<16} {nbytes / 1e6:>7.1f} {us or 0:>7.0f} {rate}")
+        total = sum(per_kernel.values())
+        print(f"{case:<17} {'all kernels':<16} {total / 1e6:>7.1f}   = {total / floor:.2f}x the floor's "
+              f"{floor / 1e6:.0f} MB; at {COPY_TBS} TB/s {total / COPY_TBS / 1e6:.0f} us against the floor's "
+              f"{floor / COPY_TBS / 1e6:.0f}")
+
+
+if __name__ == "__main__":
+    main()
