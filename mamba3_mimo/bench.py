@@ -86,6 +86,7 @@ def jit_kernels():
             "chunk_scan": chunk_scan._chunk_scan_kernel, "chunk_scan_gate": chunk_scan._chunk_scan_gate_kernel,
             "gate_grads": gate_grads._gate_grads_kernel,
             "token_tables": token_tables._token_tables_kernel,
+            "flat_token_tables": token_tables._flat_token_tables_kernel,
             "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
@@ -229,6 +230,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gate_tile_elements=[1024, 2048, 4096],
         gate_num_warps=[4, 8],
         scan_skip_unrotated=[False, True],
+        flat_tables=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

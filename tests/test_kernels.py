@@ -155,7 +155,7 @@ PRODUCTION_CONFIGS = [
     # a step ahead.
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, scan_skip_unrotated=True),
     ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, local_states=True, split_gate=True,
-               scan_prefetch=True, scan_skip_unrotated=True),
+               scan_prefetch=True, scan_skip_unrotated=True, flat_tables=True),
 ]
 
 

@@ -79,9 +79,11 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
 @pytest.mark.parametrize("S,RD", [(1, 4), (37, 3), (1500, 32), (300, 64)])
 @pytest.mark.parametrize("trap_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotation_dtype", [torch.float32, torch.float16])
-def test_token_tables(request, S, RD, trap_dtype, rotation_dtype):
+@pytest.mark.parametrize("flat", [False, True])
+def test_token_tables(request, S, RD, trap_dtype, rotation_dtype, flat):
     """gamma = dt sigmoid(trap), trap_scale = gamma + next dt sigmoid(-next trap) (none after S - 1), and
-    cos / sin of the angles, over partial token blocks, RD not a power of two and angles far from 0."""
+    cos / sin of the angles, over partial token blocks, RD not a power of two and angles far from 0; per (b, h)
+    and token block, or flat (a row's last token has no next one although the next row's first follows it)."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 3
     dt = torch.rand((B, H, S), generator=gen, dtype=torch.float32) * 0.5
@@ -89,7 +91,7 @@ def test_token_tables(request, S, RD, trap_dtype, rotation_dtype):
     angles = torch.randn((B, S, H, RD), generator=gen, dtype=torch.float32) * 200.0
     dt_dev, trap_dev, angles_dev = dt.to(DEVICE), trap.to(DEVICE), angles.to(DEVICE)
     gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt_dev, trap=trap_dev, angles=angles_dev,
-                                                             rotation_dtype=rotation_dtype)
+                                                             rotation_dtype=rotation_dtype, flat=flat)
     t = trap.double()
     want_gamma = dt.double() * torch.sigmoid(t)
     nxt = F.pad(dt.double()[..., 1:] * torch.sigmoid(-t[..., 1:]), (0, 1))

@@ -127,6 +127,8 @@ class ScanConfig:
     N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
     (chunk_scan -11 to -35 us, gate_grads +7 to +19); the gate_in_scan form (Z off, R = 1) is not yet timed.  Off
     by default until the GPU test grids have run with it (docs/optimization.md sections 26-27).
+    flat_tables: ``token_tables`` indexes its tables flat (contiguous loads and stores of angles whatever RD and H
+    are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
@@ -150,6 +152,7 @@ class ScanConfig:
     scan_max_registers: int = 0
     scan_prefetch: bool = False
     scan_skip_unrotated: bool = False
+    flat_tables: bool = False
     half_raw_y: bool = True
     d_in_gate: bool = False
     gate_tile_elements: int = 2048
@@ -390,7 +393,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     n_segments = cdiv(nch, chunks_per_segment)
     local = config.local_states and n_segments > 1
     gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles,
-                                                             rotation_dtype=rotation_dtype)
+                                                             rotation_dtype=rotation_dtype, flat=config.flat_tables)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,

@@ -61,12 +61,52 @@ def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr
         tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
 
 
-def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32):
+# The flat form (``token_tables(flat=True)``): tokens of one weight-table row and elements of angles per program.
+FLAT_WEIGHTS = 512
+FLAT_ANGLES = 2048
+
+
+@triton.jit
+def _flat_token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S,
+                              N_ROWS, N_ANGLES, BLOCK_W: tl.constexpr, BLOCK_A: tl.constexpr,
+                              FAST_TRIG: tl.constexpr):
+    """_token_tables_kernel with cos / sin as an elementwise map over angles [B * S * H * RD], flat, which keeps
+    every load and store contiguous whatever RD and H are (per (b, h) the angle rows are RD elements H * RD
+    apart).  Program i also takes the i-th token block of the [B * H, S] weight tables, if there is one."""
+    pid = tl.program_id(0)
+    blocks_per_row = tl.cdiv(S, BLOCK_W)
+    row = pid // blocks_per_row
+    t = (pid % blocks_per_row) * BLOCK_W + tl.arange(0, BLOCK_W)
+    seq = row.to(tl.int64) * S
+    valid = (t < S) & (row < N_ROWS)
+    next_valid = valid & (t + 1 < S)
+    dt = tl.load(dt_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
+    trap = tl.load(trap_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
+    dt_next = tl.load(dt_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
+    trap_next = tl.load(trap_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
+    gamma, trap_scale = trapezoid_weights(dt, trap, dt_next, trap_next)
+    tl.store(gamma_ptr + seq + t, gamma, mask=valid)
+    tl.store(trap_scale_ptr + seq + t, trap_scale, mask=valid)
+
+    angle_offs = pid.to(tl.int64) * BLOCK_A + tl.arange(0, BLOCK_A)
+    angle_mask = angle_offs < N_ANGLES
+    theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
+    if FAST_TRIG:
+        cos, sin = fast_cos_sin(theta)
+    else:
+        cos, sin = tl.cos(theta), tl.sin(theta)
+    tl.store(cos_ptr + angle_offs, cos.to(cos_ptr.dtype.element_ty), mask=angle_mask)
+    tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
+
+
+def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
     """(gamma, trap_scale, cos_angles, sin_angles) for the production kernels.
 
     Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32;
         rotation_dtype: dtype of the cos / sin tables, fp32 or fp16 (|values| <= 1: fp16 rounds them to
-        2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products).
+        2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products);
+        flat: one flat index over each table (``_flat_token_tables_kernel``) instead of programs per (b, h)
+        and token block; the same values.
     Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] rotation_dtype (views
     of one allocation each pair, so a call allocates twice).
     """
@@ -76,6 +116,13 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32):
     RD = angles.shape[3]
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
     rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=rotation_dtype)
+    if flat:
+        n_angles = angles.numel()
+        grid = (max(B * H * cdiv(S, FLAT_WEIGHTS), cdiv(n_angles, FLAT_ANGLES)),)
+        launch(_flat_token_tables_kernel, grid, dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1],
+               S, B * H, n_angles, BLOCK_W=FLAT_WEIGHTS, BLOCK_A=FLAT_ANGLES,
+               FAST_TRIG=host_utils.compiled_for_gpu(angles), num_warps=4)
+        return weights[0], weights[1], rotation[0], rotation[1]
     block_rd = next_power_of_2(max(RD, 1))
     launch(_token_tables_kernel, (cdiv(S, BLOCK_TOKENS), B * H),
         dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1], S, H, RD,
