@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Time the knobs prepared without a device (docs/optimization.md section 27) in two device calls, one group of
+# Time the knobs prepared without a device (docs/optimization.md section 27) in three device calls, one group of
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2 bash benchmarks/sweep_prepared.sh
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -14,24 +14,28 @@ sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ)
   env OUT="$OUT/$group" "$@" bash benchmarks/sweep_cases.sh
 }
 
+export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's kernels before timing them
 case "${PART:-1}" in
   1)
     # The state scans: the rotation skipped by the tiles past the rotary dims, and the narrower N/2 tiles it
     # makes worth timing at N = 128 (two tiles, half the segments: one wave); the flat token tables alongside.
-    sweep scan_skip CASES="N256_P64_R4_C8 N128_P128_R4_C8 N128_P64_R4_C16 N128_P64_R8_C8" \
+    sweep scan_skip CASES="N256_P64_R4_C8 N128_P128_R4_C8 N128_P64_R4_C16" \
       KNOBS="scan_skip_unrotated=1,block_half=32+n_segments=2,block_half=32+n_segments=2+scan_skip_unrotated=1,flat_tables=1"
-    sweep n64_tiles CASES="N64_P64_R4_C16" KNOBS="block_half=16+n_segments=2:4+scan_skip_unrotated=0:1,flat_tables=1"
     ;;
   2)
+    sweep scan_skip_r8 CASES="N128_P64_R8_C8" \
+      KNOBS="scan_skip_unrotated=1,block_half=32+n_segments=2,block_half=32+n_segments=2+scan_skip_unrotated=1,flat_tables=1,gate_tokens=256"
+    sweep n64_tiles CASES="N64_P64_R4_C16" KNOBS="block_half=16+n_segments=2:4+scan_skip_unrotated=0:1,flat_tables=1"
+    sweep flat CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P128_R4_C16 N128_P32_R4_C16 N128_P64_R1_C64" KNOBS="flat_tables=1"
+    ;;
+  3)
     # The D skip in chunk_scan's gate epilogue (without Z; with Z, the gate in chunk_scan against gate_grads).
     sweep noz_d_in_gate NOZ=1 CASES="N64_P64_R4_C16 N128_P64_R4_C16 N64_P128_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" \
       KNOBS="d_in_gate=0:1"
     sweep gate_in_scan_z CASES="N128_P64_R2_C32 N128_P64_R4_C16" KNOBS="d_in_gate=0:1,gate_in_scan=1+d_in_gate=0:1"
-    sweep flat CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P128_R4_C16 N128_P32_R4_C16 N128_P64_R1_C64" KNOBS="flat_tables=1"
-    sweep gate_tokens CASES="N128_P64_R8_C8" KNOBS="gate_tokens=256"
     ;;
   *)
-    echo "PART must be 1 or 2" >&2
+    echo "PART must be 1, 2 or 3" >&2
     exit 2
     ;;
 esac
