@@ -112,8 +112,8 @@ class ScanConfig:
     step's products), so their latency hides under the previous step's work.
     scan_skip_unrotated: state-scan programs whose N/2 tile lies wholly past the rotary dims (n >= RD = N/4 in
     each half: the upper tiles where block_half <= RD, e.g. N = 256 at 64, N = 128 at 32) branch around the
-    rotation math.  Statically -9 to -15% of the loop's SASS for those programs (docs/optimization.md section 27);
-    untimed, off by default.
+    rotation math.  Statically 12-18% of the loop's SASS is skipped for those programs (docs/optimization.md
+    section 27); untimed, off by default.
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
     Z, and with Z at R = 1).
