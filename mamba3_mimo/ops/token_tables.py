@@ -26,14 +26,9 @@ ANGLES_PER_STEP = 512
 
 
 @triton.jit
-def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S, H, RD,
-                         BLOCK_T: tl.constexpr, BLOCK_RD: tl.constexpr, ANGLE_ROWS: tl.constexpr,
-                         FAST_TRIG: tl.constexpr):
-    bh = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid = t < S
-    next_valid = (t + 1) < S
-    seq = bh * S
+def _weight_tables(dt_ptr, trap_ptr, gamma_ptr, trap_scale_ptr, seq, t, valid, next_valid):
+    """gamma and trap_scale of tokens ``t`` of the [B * H, S] row starting at ``seq``, stored where ``valid``; the
+    next token's dt and trap are read where ``next_valid`` (not past the row's last token)."""
     dt = tl.load(dt_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
     trap = tl.load(trap_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
     dt_next = tl.load(dt_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
@@ -41,6 +36,29 @@ def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr
     gamma, trap_scale = trapezoid_weights(dt, trap, dt_next, trap_next)
     tl.store(gamma_ptr + seq + t, gamma, mask=valid)
     tl.store(trap_scale_ptr + seq + t, trap_scale, mask=valid)
+
+
+@triton.jit
+def _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_mask, FAST_TRIG: tl.constexpr):
+    """cos and sin of the angles at ``angle_offs``, stored at the same offsets of the tables."""
+    theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
+    if FAST_TRIG:
+        cos, sin = fast_cos_sin(theta)
+    else:
+        cos, sin = tl.cos(theta), tl.sin(theta)
+    tl.store(cos_ptr + angle_offs, cos.to(cos_ptr.dtype.element_ty), mask=angle_mask)
+    tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
+
+
+@triton.jit
+def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S, H, RD,
+                         BLOCK_T: tl.constexpr, BLOCK_RD: tl.constexpr, ANGLE_ROWS: tl.constexpr,
+                         FAST_TRIG: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = t < S
+    next_valid = (t + 1) < S
+    _weight_tables(dt_ptr, trap_ptr, gamma_ptr, trap_scale_ptr, bh * S, t, valid, next_valid)
 
     # angles [B, S, H, RD]: this program's tokens of head h, ANGLE_ROWS tokens a step (every element a thread
     # holds inlines its own cos and sin, so small steps keep the code small).  On the GPU, fast_cos_sin:
@@ -52,13 +70,7 @@ def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr
         t_step = tl.program_id(0) * BLOCK_T + step * ANGLE_ROWS + tl.arange(0, ANGLE_ROWS)
         angle_offs = ((b * S + t_step[:, None]) * H + h) * RD + cols[None, :]
         angle_mask = (t_step[:, None] < S) & (cols[None, :] < RD)
-        theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
-        if FAST_TRIG:
-            cos, sin = fast_cos_sin(theta)
-        else:
-            cos, sin = tl.cos(theta), tl.sin(theta)
-        tl.store(cos_ptr + angle_offs, cos.to(cos_ptr.dtype.element_ty), mask=angle_mask)
-        tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
+        _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_mask, FAST_TRIG)
 
 
 # The flat form (``token_tables(flat=True)``): tokens of one weight-table row and elements of angles per program.
@@ -77,26 +89,10 @@ def _flat_token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scal
     blocks_per_row = tl.cdiv(S, BLOCK_W)
     row = pid // blocks_per_row
     t = (pid % blocks_per_row) * BLOCK_W + tl.arange(0, BLOCK_W)
-    seq = row.to(tl.int64) * S
     valid = (t < S) & (row < N_ROWS)
-    next_valid = valid & (t + 1 < S)
-    dt = tl.load(dt_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
-    trap = tl.load(trap_ptr + seq + t, mask=valid, other=0.0).to(tl.float32)
-    dt_next = tl.load(dt_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
-    trap_next = tl.load(trap_ptr + seq + t + 1, mask=next_valid, other=0.0).to(tl.float32)
-    gamma, trap_scale = trapezoid_weights(dt, trap, dt_next, trap_next)
-    tl.store(gamma_ptr + seq + t, gamma, mask=valid)
-    tl.store(trap_scale_ptr + seq + t, trap_scale, mask=valid)
-
+    _weight_tables(dt_ptr, trap_ptr, gamma_ptr, trap_scale_ptr, row.to(tl.int64) * S, t, valid, valid & (t + 1 < S))
     angle_offs = pid.to(tl.int64) * BLOCK_A + tl.arange(0, BLOCK_A)
-    angle_mask = angle_offs < N_ANGLES
-    theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
-    if FAST_TRIG:
-        cos, sin = fast_cos_sin(theta)
-    else:
-        cos, sin = tl.cos(theta), tl.sin(theta)
-    tl.store(cos_ptr + angle_offs, cos.to(cos_ptr.dtype.element_ty), mask=angle_mask)
-    tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
+    _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_offs < N_ANGLES, FAST_TRIG)
 
 
 def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
