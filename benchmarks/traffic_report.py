@@ -5,7 +5,7 @@
     python benchmarks/traffic_report.py --breakdown benchmarks/results/<sweep or breakdown>.json
 
 The launches of one bf16 call are captured as ``aot_report.py`` captures them (uninitialized CPU tensors,
-nothing runs), and each launch's tensor arguments are counted once each, deduplicated by storage (the host
+nothing runs), and each launch's tensor arguments are counted once each, deduplicated by view (the host
 passes aliases for the inputs a specialization does not read).  chunk_scan / chunk_output with local states
 read ``states`` and write back the chunks of every segment but the first: that rewrite is added.  This is a
 model of the design's traffic, not a measurement: a tensor another kernel just wrote may still sit in the
@@ -39,8 +39,8 @@ def launch_bytes(name, args, kwargs):
     """Bytes of the distinct tensors one launch takes, plus the local-state rewrite of ``states``."""
     seen = {}
     for arg in args:
-        if torch.is_tensor(arg):
-            seen.setdefault(arg.untyped_storage().data_ptr(), arg.numel() * arg.element_size())
+        if torch.is_tensor(arg):  # by view, not storage: cos / sin (and gamma / trap_scale) share one allocation
+            seen.setdefault((arg.data_ptr(), arg.numel(), arg.dtype), arg.numel() * arg.element_size())
     total = sum(seen.values())
     if kwargs.get("ADD_ENTRY"):  # the output stages with local states
         named = dict(zip(aot_report.KERNELS[name].arg_names, args))
