@@ -161,7 +161,7 @@ PRODUCTION_CONFIGS = [
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
                          f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else "")
-                         + ("-skip" if c.scan_skip_unrotated else ""))
+                         + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""

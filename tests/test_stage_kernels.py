@@ -252,13 +252,20 @@ def test_gate_grads_meta_keeps_ranks_in_a_warp(R):
     assert meta["BLOCK_R"] * meta["BLOCK_T"] * meta["BLOCK_P"] == 2048
 
 
+def _chunk_scan_stub(d=None):
+    """chunk_scan's tensor arguments at a tiny shape (B=1, S=4, R=G=H=1, N=P=16) for its host-side refusals, and the
+    [B, S, R, G, N] / [B, S, H, P] tensors a test adds (raw_y, dout)."""
+    x = torch.zeros(1, 4, 1, 1, 16)
+    act = torch.zeros(1, 4, 1, 16)
+    tensors = dict(q=x, k=x, v=act, cos_angles=act, sin_angles=act, q_bias=x, k_bias=x, mimo_v=act, d=d,
+                   da_cs=act, da_cs_rev=act, gamma=act, trap_scale=act, states=x, qk_dot=x)
+    return tensors, x, act
+
+
 @pytest.mark.parametrize("give", ["both", "neither"])
 def test_chunk_scan_takes_raw_y_or_dout(give):
     """chunk_scan fills the raw_y scratch or applies the gate (dout): exactly one, refused before any launch."""
-    x = torch.zeros(1, 4, 1, 1, 16)
-    act = torch.zeros(1, 4, 1, 16)
-    tensors = dict(q=x, k=x, v=act, cos_angles=act, sin_angles=act, q_bias=x, k_bias=x, mimo_v=act, d=None,
-                   da_cs=act, da_cs_rev=act, gamma=act, trap_scale=act, states=x, qk_dot=x)
+    tensors, x, act = _chunk_scan_stub()
     chosen = dict(raw_y=x, dout=act) if give == "both" else {}
     with pytest.raises(ValueError, match="raw_y .* or dout"):
         chunk_scan(**tensors, **chosen, chunk_size=4, block_p=16, dot_dtype=None, dot_precision=None)
@@ -266,10 +273,7 @@ def test_chunk_scan_takes_raw_y_or_dout(give):
 
 def test_chunk_scan_d_in_gate_needs_the_gate():
     """d_in_gate moves the D skip into the gate's math: with a raw_y scratch to fill there is no gate, refused."""
-    x = torch.zeros(1, 4, 1, 1, 16)
-    act = torch.zeros(1, 4, 1, 16)
-    tensors = dict(q=x, k=x, v=act, cos_angles=act, sin_angles=act, q_bias=x, k_bias=x, mimo_v=act, d=act[0, 0, 0],
-                   da_cs=act, da_cs_rev=act, gamma=act, trap_scale=act, states=x, qk_dot=x)
+    tensors, x, _ = _chunk_scan_stub(d=torch.zeros(1))
     with pytest.raises(ValueError, match="d_in_gate applies with dout"):
         chunk_scan(**tensors, raw_y=x, chunk_size=4, block_p=16, dot_dtype=None, dot_precision=None, d_in_gate=True)
 
