@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Time the knobs prepared without a device (docs/optimization.md section 27) in three device calls, one group of
-# cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3 bash benchmarks/sweep_prepared.sh
+# Time the knobs prepared without a device (docs/optimization.md sections 27-28) in four device calls, one group of
+# cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
+# candidate with the largest predicted effect; run the parts in order.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -17,18 +18,29 @@ sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ)
 export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's kernels before timing them
 case "${PART:-1}" in
   1)
+    # chunk_scan at N = 128 with its products reordered for registers: at a 128-register cap four programs share
+    # an SM instead of three (statically 0-32 B of spill with Z, 8-48 B without; section 28).  The 168 cap
+    # alongside (the same occupancy as today: the reorder alone).  N64_P64 (capped at 128 already): both orders
+    # drop its 16 B of spill.  N256's uncapped chunk_scan loses its spill.
+    sweep out_reorder CASES="N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 N64_P64_R4_C16" \
+      KNOBS="out_q_cast_early=1+out_max_registers=128:168,out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
+    sweep out_reorder_noz NOZ=1 CASES="N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32" \
+      KNOBS="out_q_cast_early=1+out_max_registers=128:168,out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
+    sweep out_reorder_n256 CASES="N256_P64_R4_C8" KNOBS="out_q_cast_early=1"
+    ;;
+  2)
     # The state scans: the rotation skipped by the tiles past the rotary dims, and the narrower N/2 tiles it
     # makes worth timing at N = 128 (two tiles, half the segments: one wave); the flat token tables alongside.
     sweep scan_skip CASES="N256_P64_R4_C8 N128_P128_R4_C8 N128_P64_R4_C16" \
       KNOBS="scan_skip_unrotated=1,block_half=32+n_segments=2,block_half=32+n_segments=2+scan_skip_unrotated=1,flat_tables=1"
     ;;
-  2)
+  3)
     sweep scan_skip_r8 CASES="N128_P64_R8_C8" \
       KNOBS="scan_skip_unrotated=1,block_half=32+n_segments=2,block_half=32+n_segments=2+scan_skip_unrotated=1,flat_tables=1,gate_tokens=256"
     sweep n64_tiles CASES="N64_P64_R4_C16" KNOBS="block_half=16+n_segments=2:4+scan_skip_unrotated=0:1,flat_tables=1"
     sweep flat CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P128_R4_C16 N128_P32_R4_C16 N128_P64_R1_C64" KNOBS="flat_tables=1"
     ;;
-  3)
+  4)
     # The D skip in chunk_scan's gate epilogue (without Z; with Z, the gate in chunk_scan against gate_grads).
     sweep noz_d_in_gate NOZ=1 CASES="N64_P64_R4_C16 N128_P64_R4_C16 N64_P128_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" \
       KNOBS="d_in_gate=0:1"
@@ -38,7 +50,7 @@ case "${PART:-1}" in
     sweep noz_small_split NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="split_gate=1+d_in_gate=0:1"
     ;;
   *)
-    echo "PART must be 1, 2 or 3" >&2
+    echo "PART must be 1, 2, 3 or 4" >&2
     exit 2
     ;;
 esac

@@ -231,6 +231,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gate_num_warps=[4, 8],
         scan_skip_unrotated=[False, True],
         flat_tables=[False, True],
+        out_q_cast_early=[False, True],
+        out_y_state_early=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -294,13 +294,23 @@ SPLIT_GATE_CASES = [
          gate_in_scan=True, d_in_gate=False),
     dict(S=20, chunk_size=16, R=1, G=2, N=64, P=32, n_segments=1, out_span=1, local=False, out_block_p=32, z=True,
          gate_in_scan=True, d_in_gate=False),
+    # chunk_scan's products reordered for registers (q~ narrowed before k is loaded; q~ @ state right after the
+    # scores): local states with padding ranks, the gate in chunk_scan on three P tiles without Z, and q~ narrowed
+    # early alone on a two-pass GQA case with the D skip after the products.
+    dict(S=53, chunk_size=8, R=6, G=1, N=32, P=32, n_segments=3, out_span=2, local=True, out_block_p=32, z=True,
+         reorder="qy"),
+    dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=False,
+         gate_in_scan=True, reorder="qy"),
+    dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=True,
+         d_in_gate=False, reorder="q"),
 ]
 
 
 @pytest.mark.parametrize("case", SPLIT_GATE_CASES, ids=lambda c: f"S{c['S']}-C{c['chunk_size']}-R{c['R']}-"
                          f"o{c['out_span']}-{'local' if c['local'] else 'two'}-g{c.get('spans_per_program', 1)}"
                          f"{'-gate_in_scan' if c.get('gate_in_scan') else ''}"
-                         f"{'-d_in_chunk_scan' if not c.get('d_in_gate', True) else ''}")
+                         f"{'-d_in_chunk_scan' if not c.get('d_in_gate', True) else ''}"
+                         f"{'-early_' + c['reorder'] if c.get('reorder') else ''}")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_split_gate(check_kernel, case, dtype):
     """The split output stage (chunk_scan, then gate_grads or the gate in chunk_scan) is exact against float64."""
@@ -308,7 +318,9 @@ def test_production_split_gate(check_kernel, case, dtype):
                         local_states=case["local"], out_span_chunks=case["out_span"],
                         end_span_chunks=case["out_span"], split_gate=True,
                         chunks_per_program=case.get("spans_per_program", 1),
-                        gate_in_scan=case.get("gate_in_scan", False), d_in_gate=case.get("d_in_gate", True))
+                        gate_in_scan=case.get("gate_in_scan", False), d_in_gate=case.get("d_in_gate", True),
+                        out_q_cast_early="q" in case.get("reorder", ""),
+                        out_y_state_early="y" in case.get("reorder", ""))
     check_kernel("production", B=2, S=case["S"], H=2, G=case["G"], N=case["N"], P=case["P"], R=case["R"],
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
 

@@ -129,6 +129,11 @@ class ScanConfig:
     by default until the GPU test grids have run with it (docs/optimization.md sections 26-27).
     flat_tables: ``token_tables`` indexes its tables flat (contiguous loads and stores of angles whatever RD and H
     are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
+    out_q_cast_early / out_y_state_early: ``chunk_scan`` (both forms) narrows q~ to the dot dtype before k is
+    loaded / forms q~ @ state right after the scores: the same arithmetic in an order with fewer live registers.
+    Statically (``benchmarks/aot_report.py``) at N = 128 both together compile to 0-8 B of spill at a 128-register
+    cap (104-200 B before), which would let four chunk_scan programs share an SM instead of three; untimed, off by
+    default (docs/optimization.md section 28).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
@@ -155,6 +160,8 @@ class ScanConfig:
     flat_tables: bool = False
     half_raw_y: bool = True
     d_in_gate: bool = False
+    out_q_cast_early: bool = False
+    out_y_state_early: bool = False
     gate_tile_elements: int = 2048
     gate_num_warps: int = 4
 
@@ -421,7 +428,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
         chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
         num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-        entry_decay=entry_decay, chunks_per_segment=chunks_per_segment)
+        entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
+        q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early)
     d_in_gate = config.d_in_gate and d is not None
     if config.split_gate and config.gate_in_scan:
         dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
