@@ -21,12 +21,13 @@ case "${PART:-1}" in
     # chunk_scan at N = 128 with its products reordered for registers: at a 128-register cap four programs share
     # an SM instead of three (statically 0-32 B of spill with Z, 8-48 B without; section 28).  The 168 cap
     # alongside (the same occupancy as today: the reorder alone).  N64_P64 (capped at 128 already): both orders
-    # drop its 16 B of spill.  N256's uncapped chunk_scan loses its spill.
+    # drop its 16 B of spill.  N256's uncapped chunk_scan loses its 112-128 B of spill, N128_P128's (168, shared-memory
+    # bound at 3 programs an SM) drops 80-88 -> 40.
     sweep out_reorder CASES="N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 N64_P64_R4_C16" \
       KNOBS="out_q_cast_early=1+out_max_registers=128:168,out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
     sweep out_reorder_noz NOZ=1 CASES="N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32" \
       KNOBS="out_q_cast_early=1+out_max_registers=128:168,out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
-    sweep out_reorder_n256 CASES="N256_P64_R4_C8" KNOBS="out_q_cast_early=1"
+    sweep out_reorder_wide CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="out_q_cast_early=1"
     ;;
   2)
     # The state scans: the rotation skipped by the tiles past the rotary dims, and the narrower N/2 tiles it
