@@ -28,6 +28,10 @@ case "${PART:-1}" in
     sweep out_reorder_noz NOZ=1 CASES="N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32" \
       KNOBS="out_q_cast_early=1+out_max_registers=128:168,out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
     sweep out_reorder_wide CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="out_q_cast_early=1"
+    # With Z, the gate in chunk_scan (no raw_y scratch, no gate_grads pass) in the same order: 24-32 B of spill at
+    # 128 registers (136-144 B in today's order).
+    sweep out_reorder_gate_z CASES="N128_P64_R4_C16 N128_P64_R2_C32" \
+      KNOBS="gate_in_scan=1+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
     ;;
   2)
     # The state scans: the rotation skipped by the tiles past the rotary dims, and the narrower N/2 tiles it
