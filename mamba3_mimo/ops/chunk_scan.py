@@ -106,8 +106,8 @@ def _span_raw_y(
         tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
     q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
     if Q_CAST_EARLY:
-        # q~'s fp32 halves die here instead of staying live through k's rotation (N128_P64_R4_C16: 180 -> 139
-        # registers uncapped).
+        # q~'s fp32 [tokens, ranks, half] tiles die here, not after k's loads and rotation; the reshape has to come
+        # with the cast (N128_P64_R4_C16: 180 -> 139 registers uncapped; the cast alone moved nothing).
         q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
         q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
     k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
