@@ -131,9 +131,9 @@ class ScanConfig:
     are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
     out_q_cast_early / out_y_state_early: ``chunk_scan`` (both forms) narrows q~ to the dot dtype before k is
     loaded / forms q~ @ state right after the scores: the same arithmetic in an order with fewer live registers.
-    Statically (``benchmarks/aot_report.py``) at N = 128 both together compile to 0-8 B of spill at a 128-register
-    cap (104-200 B before), which would let four chunk_scan programs share an SM instead of three; untimed, off by
-    default (docs/optimization.md section 28).
+    Statically (``benchmarks/aot_report.py``) at N = 128 with Z both together compile to 0-56 B of spill at a
+    128-register cap (96-208 B in the default order), which would let four chunk_scan programs share an SM instead
+    of three; untimed, off by default (docs/optimization.md section 28).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
