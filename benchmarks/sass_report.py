@@ -80,18 +80,26 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="+", default=["N128_P64_R4_C16"])
     parser.add_argument("--config", help="ScanConfig fields key=value,... that replace the dispatcher's")
     parser.add_argument("--no-z", action="store_true")
+    parser.add_argument("--opcodes", action="store_true", help="also count the loop body's opcodes (first two parts)")
+    parser.add_argument("--kernels", nargs="+", help="only these kernels (state_scan, chunk_scan, ...)")
     args = parser.parse_args(argv)
     aot_report.compile_as_cuda()
     for case in args.cases:
         for name, launch_args, kwargs in aot_report.official_launches(case, args.config, z=not args.no_z):
+            if args.kernels and name not in args.kernels:
+                continue
             if name == "state_scan":  # the end-state pass, or the pass that stores the states
                 name += " (stores states)" if kwargs["STORE_STATES"] else " (end states)"
             ops = sass_ops(aot_report.compile_launch(name.split()[0], launch_args, kwargs))
             body = largest_loop(ops)
             print(f"{case} {name}: {len(ops)} SASS instructions"
                   + (f", largest loop body {len(body)}" if body else ", no loop"))
-            for group, count in collections.Counter(kind(op) for op in (body or [o for _, o, _ in ops])).most_common():
+            counted = body or [o for _, o, _ in ops]
+            for group, count in collections.Counter(kind(op) for op in counted).most_common():
                 print(f"    {group:<24} {count:>5}")
+            if args.opcodes:
+                opcodes = collections.Counter(".".join(op.split(".")[:2]) for op in counted).most_common()
+                print("    " + ", ".join(f"{op} {count}" for op, count in opcodes))
 
 
 if __name__ == "__main__":
