@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Time the knobs prepared without a device (docs/optimization.md sections 27-28) in four device calls, one group of
+# Time the knobs prepared without a device (docs/optimization.md sections 27-29) in six device calls, one group of
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
-# candidate with the largest predicted effect; run the parts in order.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4 bash benchmarks/sweep_prepared.sh
+# candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -16,8 +16,27 @@ sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ)
 }
 
 export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's kernels before timing them
+HALF_ROTATION="scan_half_rotation=1,out_half_rotation=1,scan_half_rotation=1+out_half_rotation=1"
 case "${PART:-1}" in
   1)
+    # q's and k's bias add and rotation in bf16, two elements a register (section 29): the state scan's step -16% /
+    # -25% of its SASS (tables converted / in bf16), chunk_scan -17% and 40 fewer registers at N = 128.  First how
+    # close the outputs come to the accuracy contract's bounds with it (the bf16 pairwise rows, 2 seeds), then the
+    # shapes where the scans are longest and N = 128 at chunk_scan's 128-register cap (four programs an SM).
+    mkdir -p "$OUT/half_rotation_margins"
+    timeout 150 python3 benchmarks/scratch_margins.py --seeds 2 --knob scan_half_rotation+out_half_rotation \
+      --json "$OUT/half_rotation_margins/margins.json" 2>&1 | tail -n 12
+    sweep half_rotation CASES="N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 N64_P128_R4_C16 N16_P64_R4_C8" \
+      KNOBS="$HALF_ROTATION"
+    sweep half_rotation_cap CASES="N128_P64_R4_C16 N128_P64_R8_C8" \
+      KNOBS="scan_half_rotation=1+out_half_rotation=1+out_max_registers=128"
+    ;;
+  2)
+    sweep half_rotation_rest CASES="N32_P64_R4_C16 N64_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 \
+      N128_P64_R1_C64" KNOBS="$HALF_ROTATION"
+    sweep half_rotation_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" KNOBS="$HALF_ROTATION"
+    ;;
+  3)
     # chunk_scan at N = 128 with its products reordered for registers: at a 128-register cap four programs share
     # an SM instead of three (statically 0-32 B of spill with Z, 8-48 B without; section 28).  The 168 cap
     # alongside (the same occupancy as today: the reorder alone).  N64_P64 (capped at 128 already): both orders
@@ -33,19 +52,19 @@ case "${PART:-1}" in
     sweep out_reorder_gate_z CASES="N128_P64_R4_C16 N128_P64_R2_C32" \
       KNOBS="gate_in_scan=1+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
     ;;
-  2)
+  4)
     # The state scans: the rotation skipped by the tiles past the rotary dims, and the narrower N/2 tiles it
     # makes worth timing at N = 128 (two tiles, half the segments: one wave); the flat token tables alongside.
     sweep scan_skip CASES="N256_P64_R4_C8 N128_P128_R4_C8 N128_P64_R4_C16" \
       KNOBS="scan_skip_unrotated=1,block_half=32+n_segments=2,block_half=32+n_segments=2+scan_skip_unrotated=1,flat_tables=1"
     ;;
-  3)
+  5)
     sweep scan_skip_r8 CASES="N128_P64_R8_C8" \
       KNOBS="scan_skip_unrotated=1,block_half=32+n_segments=2,block_half=32+n_segments=2+scan_skip_unrotated=1,flat_tables=1,gate_tokens=256"
     sweep n64_tiles CASES="N64_P64_R4_C16" KNOBS="block_half=16+n_segments=2:4+scan_skip_unrotated=0:1,flat_tables=1"
     sweep flat CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P128_R4_C16 N128_P32_R4_C16 N128_P64_R1_C64" KNOBS="flat_tables=1"
     ;;
-  4)
+  6)
     # The D skip in chunk_scan's gate epilogue (without Z; with Z, the gate in chunk_scan against gate_grads).
     sweep noz_d_in_gate NOZ=1 CASES="N64_P64_R4_C16 N128_P64_R4_C16 N64_P128_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" \
       KNOBS="d_in_gate=0:1"
@@ -55,7 +74,7 @@ case "${PART:-1}" in
     sweep noz_small_split NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="split_gate=1+d_in_gate=0:1"
     ;;
   *)
-    echo "PART must be 1, 2, 3 or 4" >&2
+    echo "PART must be 1 to 6" >&2
     exit 2
     ;;
 esac

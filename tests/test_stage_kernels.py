@@ -78,7 +78,7 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
 
 @pytest.mark.parametrize("S,RD", [(1, 4), (37, 3), (1500, 32), (300, 64)])
 @pytest.mark.parametrize("trap_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rotation_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rotation_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("flat", [False, True])
 def test_token_tables(request, S, RD, trap_dtype, rotation_dtype, flat):
     """gamma = dt sigmoid(trap), trap_scale = gamma + next dt sigmoid(-next trap) (none after S - 1), and
@@ -99,8 +99,9 @@ def test_token_tables(request, S, RD, trap_dtype, rotation_dtype, flat):
     torch.testing.assert_close(trap_scale.cpu().double(), want_gamma + nxt, atol=1e-6, rtol=1e-5)
     # fp32 angles of a few hundred radians: within 2e-6 (the GPU reduces by 2 pi in three parts, then
     # takes the approximate units, 2^-20.9 absolute; the interpreter uses numpy); fp16 tables add their
-    # rounding, at most 2^-12 absolute for |values| <= 1.
-    atol = 2e-6 + (2 ** -12 if rotation_dtype == torch.float16 else 0.0)
+    # rounding, at most 2^-12 absolute for |values| <= 1, bf16 ones 2^-9 (2^-8 in the interpreter, which
+    # truncates to bf16).
+    atol = 2e-6 + {torch.float32: 0.0, torch.float16: 2 ** -12, torch.bfloat16: 2 ** -8}[rotation_dtype]
     for table, want in ((cos_angles, angles.double().cos()), (sin_angles, angles.double().sin())):
         assert table.dtype == rotation_dtype
         torch.testing.assert_close(table.cpu().double(), want, atol=atol, rtol=0)

@@ -46,7 +46,7 @@ def _chunk_output_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
     ADD_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     F: tl.constexpr = RANKS_PER_STEP
@@ -111,7 +111,7 @@ def _chunk_output_kernel(
         # k~^T straight from memory, [N/2, rows] per half: the B operand of the score product.
         k_lo_t, k_hi_t = load_rotated_gather(k_seq, k_bias_head, cos_seq, sin_seq, t_rows, row_u, row_mask,
                                              qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
-                                             DOT_DTYPE, TRANSPOSED=True)
+                                             DOT_DTYPE, TRANSPOSED=True, MATH_DTYPE=ROTATION_DTYPE)
         da_rows, _, _, ts_rows = load_token_weights(
             da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
         da_q, _, gamma_q, _ = load_token_weights(
@@ -138,7 +138,7 @@ def _chunk_output_kernel(
                 q_mask = q_tok_mask & (q_rank < R)
             q_lo, q_hi = load_rotated_gather(q_seq, q_bias_head, cos_seq, sin_seq, t_q, q_rank, q_mask,
                                              qk_token_stride, G * N, H * RD, offs_half, half_mask, N, RD,
-                                             DOT_DTYPE)
+                                             DOT_DTYPE, MATH_DTYPE=ROTATION_DTYPE)
             scores = tl.dot(q_lo, k_lo_t, input_precision=DOT_PRECISION)
             scores = tl.dot(q_hi, k_hi_t, scores, input_precision=DOT_PRECISION)
             if pid_p == 0:
@@ -203,7 +203,8 @@ def sum_dtype(dot_dtype, device):
 def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                  da_cs, da_cs_rev, gamma, trap_scale, states, qk_dot, dz,
                  chunk_size, chunks_per_program, block_p, dot_dtype, dot_precision, num_warps=4,
-                 ranks_per_step=1, span_chunks=1, seg_entry=None, entry_decay=None, chunks_per_segment=1):
+                 ranks_per_step=1, span_chunks=1, seg_entry=None, entry_decay=None, chunks_per_segment=1,
+                 rotation_math_dtype=tl.float32):
     """Fill ``qk_dot`` and ``dz`` and return the Phi/Zeta gradient partials.
 
     A program's unit is a span of ``span_chunks`` chunks treated as one chunk of span_chunks * C
@@ -215,7 +216,8 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
 
     With ``seg_entry`` and ``entry_decay`` (from ``segment_entry_states``), ``states`` holds segment-local states on
     entry (``chunk_local_states``, segments of ``chunks_per_segment`` chunks) and the full states
-    on return.
+    on return.  ``rotation_math_dtype``: the dtype of q's and k's bias add and rotation, tl.float32 or the products'
+    half dtype (``host_utils.rotation_math_dtype``).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
         cos_angles, sin_angles: [B, S, H, RD] fp32 or fp16; q_bias, k_bias: [H, R, N] fp32;
@@ -251,7 +253,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         ADD_ENTRY=seg_entry is not None,
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         SUM_DTYPE=sum_dtype(dot_dtype, q.device), FAST_SIGMOID=host_utils.compiled_for_gpu(q),
-        num_warps=num_warps, num_stages=1,
+        ROTATION_DTYPE=rotation_math_dtype, num_warps=num_warps, num_stages=1,
     )
     return dphi, dzeta
 

@@ -22,6 +22,7 @@ from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
 from .triton_utils import (
+    bias_add_in_half,
     fp16_row_scaled,
     intra_chunk_weights,
     load_entering_state,
@@ -34,6 +35,28 @@ from .triton_utils import (
 
 
 @triton.jit
+def _rotated_tiles(x_ptr, bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, sin, HALF: tl.constexpr,
+                   MATH_DTYPE: tl.constexpr):
+    """Biased, rotated q or k as [tokens, ranks, half] halves in MATH_DTYPE (x at ``x_offs``, its low half; the
+    bias [ranks, half] at ``bias_offs``).  Padding rows are zeroed (not needed for the result, but it took
+    registers 255 -> 191 on N128_P64_R1_C64)."""
+    if MATH_DTYPE == tl.float32:
+        x_lo = tl.load(x_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
+            tl.load(bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
+        x_hi = tl.load(x_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
+            tl.load(bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
+        x_lo = tl.where(mask3, x_lo, 0.0)
+        x_hi = tl.where(mask3, x_hi, 0.0)
+    else:
+        # The bias is not masked by token: padding rows take it, and the mask factor zeroes them.
+        x_lo, x_hi = bias_add_in_half(
+            tl.load(x_ptr + x_offs, mask=mask3, other=0.0), tl.load(x_ptr + x_offs + HALF, mask=mask3, other=0.0),
+            tl.load(bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :],
+            tl.load(bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :], mask3, MATH_DTYPE)
+    return rotate_half(x_lo, x_hi, cos, sin)
+
+
+@triton.jit
 def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
@@ -42,13 +65,14 @@ def _span_raw_y(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
     Returns raw_y and its rows' tokens (t_rows), ranks (row_r) and mask, the tile's columns and their mask.
     Q_CAST_EARLY narrows q~ to the dot dtype before k is loaded, Y_STATE_EARLY forms q~ @ state right after the
     scores: the same arithmetic in another order, for fewer live registers (ScanConfig.out_q_cast_early,
-    out_y_state_early).
+    out_y_state_early).  ROTATION_DTYPE: the dtype of q's and k's bias add and rotation (``rotation_math_dtype``).
     """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
@@ -89,32 +113,26 @@ def _span_raw_y(
         states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
         half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
 
-    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias.  Padding rows are
-    # zeroed (not needed for the result, but it took registers 255 -> 191 on N128_P64_R1_C64).
+    # q~ and k~: both rotate by their token's angles, each row adds its rank's bias; in ROTATION_DTYPE (fp32, or the
+    # products' half dtype: two elements a register).
     angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
     rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
-    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(tl.float32)[:, None, :]
-    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(tl.float32)[:, None, :]
+    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(ROTATION_DTYPE)[:, None, :]
+    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(ROTATION_DTYPE)[:, None, :]
     mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
     x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
                             + offs_half[None, None, :])
     bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
     bias_mask = rank_mask[:, None] & half_mask[None, :]
-    q_lo = tl.load(q_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(q_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-    q_hi = tl.load(q_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(q_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-    q_lo, q_hi = rotate_half(tl.where(mask3, q_lo, 0.0), tl.where(mask3, q_hi, 0.0), cos, sin)
+    q_lo, q_hi = _rotated_tiles(q_ptr, q_bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, sin, HALF,
+                                ROTATION_DTYPE)
     if Q_CAST_EARLY:
         # q~'s fp32 [tokens, ranks, half] tiles die here, not after k's loads and rotation; the reshape has to come
         # with the cast (N128_P64_R4_C16: 180 -> 139 registers uncapped; the cast alone moved nothing).
         q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
         q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-    k_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(k_bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
-    k_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0).to(tl.float32) + \
-        tl.load(k_bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
-    k_lo, k_hi = rotate_half(tl.where(mask3, k_lo, 0.0), tl.where(mask3, k_hi, 0.0), cos, sin)
+    k_lo, k_hi = _rotated_tiles(k_ptr, k_bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, sin, HALF,
+                                ROTATION_DTYPE)
     if not Q_CAST_EARLY:
         q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
         q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
@@ -168,7 +186,7 @@ def _chunk_scan_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
-    Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
+    Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -182,7 +200,7 @@ def _chunk_scan_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -206,7 +224,7 @@ def _chunk_scan_gate_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
-    Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
+    Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
@@ -231,7 +249,7 @@ def _chunk_scan_gate_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -273,7 +291,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
-               q_cast_early=False, y_state_early=False):
+               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -283,7 +301,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     ``chunks_per_segment`` chunks) and the full states on return.  ``max_registers`` caps the
     registers per thread (0: the compiler's choice).  ``d_in_gate`` (with ``dout`` and ``d``) adds the D skip
     in the gate's fp32 math rather than after the products.  ``q_cast_early`` and ``y_state_early`` reorder the
-    products for fewer live registers (same arithmetic; see ``ScanConfig``).
+    products for fewer live registers (same arithmetic; see ``ScanConfig``).  ``rotation_math_dtype``: the dtype of
+    q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32 or fp16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -326,7 +345,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     constants = dict(
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta, ADD_ENTRY=seg_entry is not None,
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
-        Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early,
+        Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,

@@ -75,6 +75,7 @@ def _state_scan_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, SKIP_UNROTATED: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr,
 ):
     HALF: tl.constexpr = N // 2
     # A step takes a span of SPAN_CHUNKS chunks (L tokens); CHUNKS_PER_SEG is a multiple of SPAN_CHUNKS.
@@ -163,14 +164,15 @@ def _state_scan_kernel(
                 row_r, row_mask, offs_half, half_mask, offs_p, p_mask, S, H, G, C, R, N, P, RD, SPAN_CHUNKS,
                 ONE_PRODUCT)
 
-        # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.
+        # k~^T straight from memory: [N/2 tile, rows] per half, the A operand of the update product.  The bias add
+        # and the rotation are most of the step's instructions: in a half ROTATION_DTYPE they pack two a register.
         k_lo_t, k_hi_t = add_bias_halves(k_lo_t, k_hi_t, k_bias_head, row_r, row_mask, offs_half, half_mask, N,
-                                         TRANSPOSED=True)
+                                         TRANSPOSED=True, MATH_DTYPE=ROTATION_DTYPE)
         if SKIP_UNROTATED:
             if tile_rotated:
-                k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(tl.float32), sin_t.to(tl.float32))
+                k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(ROTATION_DTYPE), sin_t.to(ROTATION_DTYPE))
         else:
-            k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(tl.float32), sin_t.to(tl.float32))
+            k_lo_t, k_hi_t = rotate_half(k_lo_t, k_hi_t, cos_t.to(ROTATION_DTYPE), sin_t.to(ROTATION_DTYPE))
         k_lo_t = k_lo_t.to(DOT_DTYPE)
         k_hi_t = k_hi_t.to(DOT_DTYPE)
         # exp(da_cs_rev) decays each token to its chunk's end (with one product over a span: to the span end);
@@ -214,7 +216,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
             num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1, max_registers=0,
-            prefetch=False, skip_unrotated=False):
+            prefetch=False, skip_unrotated=False, rotation_math_dtype=tl.float32):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
@@ -229,6 +231,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PREFETCH=prefetch, SKIP_UNROTATED=skip_unrotated,
+        ROTATION_DTYPE=rotation_math_dtype,
         num_warps=num_warps, num_stages=1,
         **({'maxnreg': max_registers} if max_registers else {}),
     )
@@ -249,7 +252,9 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
         fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's
         choice), prefetch (issue each step's loads one step ahead), skip_unrotated (programs whose N/2 tile lies
-        past the rotary dims branch around the rotation); chunks_per_segment must be a multiple of span_chunks.
+        past the rotary dims branch around the rotation), rotation_math_dtype (the dtype of k's bias add and
+        rotation: tl.float32, or the products' half dtype, ``host_utils.rotation_math_dtype``); chunks_per_segment
+        must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

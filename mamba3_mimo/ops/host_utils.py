@@ -6,6 +6,7 @@ goes through a wrapper that unwraps its arguments, a few microseconds that a bwd
 """
 
 import torch
+import triton.language as tl
 
 
 def cdiv(a, b):
@@ -16,6 +17,12 @@ def cdiv(a, b):
 def next_power_of_2(n):
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def rotation_math_dtype(dot_dtype, half_rotation):
+    """tl dtype of the kernels' q / k bias add and rotation: the products' dtype where ``half_rotation`` asks for it
+    and the products take 16-bit operands (two elements a register, one rounding an operation), else fp32."""
+    return dot_dtype if half_rotation and dot_dtype in (tl.bfloat16, tl.float16) else tl.float32
 
 
 def compiled_for_gpu(tensor):

@@ -32,13 +32,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl
 
 from .chunk_output import chunk_output
 from .chunk_scan import chunk_scan
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
-from .host_utils import cdiv, next_power_of_2
+from .host_utils import cdiv, next_power_of_2, rotation_math_dtype
 from .launch import forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
@@ -134,6 +135,14 @@ class ScanConfig:
     Statically (``benchmarks/aot_report.py``) at N = 128 with Z both together compile to 0-56 B of spill at a
     128-register cap (96-208 B in the default order), which would let four chunk_scan programs share an SM instead
     of three; untimed, off by default (docs/optimization.md section 28).
+    scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
+    state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
+    a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
+    instead of one.  With both on the cos / sin tables are written in that dtype, else they keep
+    ``rotation_table_dtype`` and the 16-bit stages convert them.  Statically (bf16) the state scan's step loses 16% of
+    its SASS with converted tables and 25% with bf16 ones (N128_P64_R4_C16 1040 -> 870 / 776), chunk_scan 17% (2752 ->
+    2288) and 40 registers uncapped at N = 128 (180 -> 139), and N256's chunk_scan its 112 B of spill.  Untimed, off
+    by default (docs/optimization.md section 29).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
@@ -162,6 +171,8 @@ class ScanConfig:
     d_in_gate: bool = False
     out_q_cast_early: bool = False
     out_y_state_early: bool = False
+    scan_half_rotation: bool = False
+    out_half_rotation: bool = False
     gate_tile_elements: int = 2048
     gate_num_warps: int = 4
 
@@ -393,6 +404,12 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
                                has_z=z is not None, half_tables=rotation_dtype == torch.float16)
+    scan_rotation = rotation_math_dtype(dot_dtype, config.scan_half_rotation)
+    out_rotation = rotation_math_dtype(dot_dtype, config.out_half_rotation)
+    if scan_rotation == out_rotation != tl.float32:
+        # Every stage rotates in the products' 16-bit dtype: tables in it spare a conversion a row.  Where one stage
+        # rotates in fp32 the tables keep their precision for it.
+        rotation_dtype = torch.bfloat16 if out_rotation == tl.bfloat16 else torch.float16
     nch = cdiv(S, chunk_size)
     # Segments hold whole steps of both scans.
     span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
@@ -406,7 +423,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
-                prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated)
+                prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
+                rotation_math_dtype=scan_rotation)
     # The output stage reads the states back; when ``states`` is stored coarser than the inputs
     # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
     input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
@@ -429,7 +447,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
         num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
         entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
-        q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early)
+        q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
+        rotation_math_dtype=out_rotation)
     d_in_gate = config.d_in_gate and d is not None
     if config.split_gate and config.gate_in_scan:
         dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
@@ -462,7 +481,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                    dot_dtype=dot_dtype, dot_precision=dot_precision,
                                    num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
                                    span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-                                   entry_decay=entry_decay, chunks_per_segment=chunks_per_segment)
+                                   entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
+                                   rotation_math_dtype=out_rotation)
     if handoff is not states:
         forbid_replay()  # a torch copy between the launches: a call replay would miss it
         states.copy_(handoff)

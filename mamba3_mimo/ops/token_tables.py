@@ -3,8 +3,10 @@
     gamma[t]      = dt[t] * sigmoid(trap[t])                          (weight of token t on itself)
     trap_scale[t] = gamma[t] + dt[t+1] * sigmoid(-trap[t+1])          (weight of token t on later tokens;
                                                                        no next token after S - 1)
-    cos_angles, sin_angles = cos(angles), sin(angles)                 (the rotation of q and k; fp32, or
-                                                                       fp16 where the products take bf16)
+    cos_angles, sin_angles = cos(angles), sin(angles)                 (the rotation of q and k; fp32, fp16
+                                                                       where the products take bf16, or the
+                                                                       products' dtype where the rotation
+                                                                       runs in it)
 
 Every later stage reads these tables instead of loading dt and trap at t and t + 1 with two sigmoids
 for each (token, rank) row of every tile, or taking cos / sin per row (which doubled the scan's
@@ -99,15 +101,16 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
     """(gamma, trap_scale, cos_angles, sin_angles) for the production kernels.
 
     Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32;
-        rotation_dtype: dtype of the cos / sin tables, fp32 or fp16 (|values| <= 1: fp16 rounds them to
-        2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products);
+        rotation_dtype: dtype of the cos / sin tables, fp32, fp16 (|values| <= 1: fp16 rounds them to
+        2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products) or bf16
+        (for a rotation computed in bf16, ``ScanConfig.half_rotation``);
         flat: one flat index over each table (``_flat_token_tables_kernel``) instead of programs per (b, h)
         and token block; the same values.
     Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] rotation_dtype (views
     of one allocation each pair, so a call allocates twice).
     """
-    if rotation_dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"token_tables: rotation_dtype must be float32 or float16, got {rotation_dtype}")
+    if rotation_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"token_tables: rotation_dtype must be float32, float16 or bfloat16, got {rotation_dtype}")
     B, H, S = dt.shape
     RD = angles.shape[3]
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)

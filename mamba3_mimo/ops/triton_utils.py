@@ -244,47 +244,70 @@ def load_halves(x_seq_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, of
 
 @triton.jit
 def add_bias_halves(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N: tl.constexpr,
-                    TRANSPOSED: tl.constexpr = False):
-    """The halves of ``load_halves`` in fp32 with the per-rank bias added; masked elements exactly zero.
+                    TRANSPOSED: tl.constexpr = False, MATH_DTYPE: tl.constexpr = tl.float32):
+    """The halves of ``load_halves`` in MATH_DTYPE with the per-rank bias added; masked elements exactly zero.
 
-    ``bias_head_ptr`` points at bias[h, 0, 0] of [H, R, N].
+    ``bias_head_ptr`` points at bias[h, 0, 0] of [H, R, N].  MATH_DTYPE fp32, or the products' half dtype
+    (``rotation_math_dtype``: two elements a register through the rotation).
     """
     HALF: tl.constexpr = N // 2
     row_ok, col_ok = _row_col(row_mask, half_mask, TRANSPOSED)
     mask = row_ok & col_ok
     row_bias, col = _row_col(ranks * N, offs_half, TRANSPOSED)
     bias_offs = row_bias + col
-    x_lo = tl.where(mask, x_lo.to(tl.float32) + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
-    x_hi = tl.where(mask, x_hi.to(tl.float32) + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0),
-                    0.0)
+    if MATH_DTYPE == tl.float32:
+        x_lo = tl.where(mask, x_lo.to(tl.float32) + tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0), 0.0)
+        x_hi = tl.where(mask, x_hi.to(tl.float32) + tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0),
+                        0.0)
+    else:
+        x_lo, x_hi = bias_add_in_half(x_lo, x_hi, tl.load(bias_head_ptr + bias_offs, mask=mask, other=0.0),
+                                     tl.load(bias_head_ptr + bias_offs + HALF, mask=mask, other=0.0), mask,
+                                     MATH_DTYPE)
+    return x_lo, x_hi
+
+
+@triton.jit
+def bias_add_in_half(x_lo, x_hi, bias_lo, bias_hi, mask, MATH_DTYPE: tl.constexpr):
+    """(x + bias) per half in a half MATH_DTYPE, times the mask as 0 / 1.
+
+    Masked x and bias are loaded as 0, so the factor changes no value; it stands where the fp32 form has a select,
+    which on 16-bit elements goes one element at a time, and without either the compiler moved the tiles through
+    shared memory (state scan N128_P64_R4_C16: 64 selects and 80 byte permutes against 32 packed multiplies).
+    """
+    keep = mask.to(MATH_DTYPE)
+    x_lo = (x_lo.to(MATH_DTYPE) + bias_lo.to(MATH_DTYPE)) * keep
+    x_hi = (x_hi.to(MATH_DTYPE) + bias_hi.to(MATH_DTYPE)) * keep
     return x_lo, x_hi
 
 
 @triton.jit
 def load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half,
-                       half_mask, N: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """Biased q or k rows, not rotated, as fp32 halves (``load_halves`` then ``add_bias_halves``)."""
+                       half_mask, N: tl.constexpr, TRANSPOSED: tl.constexpr = False,
+                       MATH_DTYPE: tl.constexpr = tl.float32):
+    """Biased q or k rows, not rotated, as MATH_DTYPE halves (``load_halves`` then ``add_bias_halves``)."""
     x_lo, x_hi = load_halves(x_seq_ptr, t_pos, ranks, row_mask, token_stride, rank_stride, offs_half, half_mask,
                              N, TRANSPOSED)
-    return add_bias_halves(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N, TRANSPOSED)
+    return add_bias_halves(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_mask, N, TRANSPOSED,
+                           MATH_DTYPE)
 
 
 @triton.jit
 def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_pos, ranks, row_mask,
                         token_stride, rank_stride, angle_stride, offs_half, half_mask,
                         N: tl.constexpr, RD: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                        TRANSPOSED: tl.constexpr = False):
+                        TRANSPOSED: tl.constexpr = False, MATH_DTYPE: tl.constexpr = tl.float32):
     """Biased, rotated q or k rows as halves (x~[:, n], x~[:, N/2 + n]) in DOT_DTYPE.
 
     Arguments as for ``load_biased_halves`` and ``load_angle_tiles``.  Masked rows come out
     exactly zero.  With TRANSPOSED the tiles are [half, rows], loaded that way from memory (the
-    operand layout of k~^T products, with no register transpose).
+    operand layout of k~^T products, with no register transpose).  The bias add and the rotation run in
+    MATH_DTYPE (``add_bias_halves``).
     """
     x_lo, x_hi = load_biased_halves(x_seq_ptr, bias_head_ptr, t_pos, ranks, row_mask, token_stride, rank_stride,
-                                    offs_half, half_mask, N, TRANSPOSED)
+                                    offs_half, half_mask, N, TRANSPOSED, MATH_DTYPE)
     cos, sin = load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, offs_half, RD,
                                 TRANSPOSED)
-    x_lo, x_hi = rotate_half(x_lo, x_hi, cos.to(tl.float32), sin.to(tl.float32))
+    x_lo, x_hi = rotate_half(x_lo, x_hi, cos.to(MATH_DTYPE), sin.to(MATH_DTYPE))
     return x_lo.to(DOT_DTYPE), x_hi.to(DOT_DTYPE)
 
 
