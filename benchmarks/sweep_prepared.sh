@@ -16,25 +16,29 @@ sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ)
 }
 
 export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's kernels before timing them
-HALF_ROTATION="scan_half_rotation=1,out_half_rotation=1,scan_half_rotation=1+out_half_rotation=1"
+# Every candidate carries d_in_gate, which the GPU runs of sections 26-27 timed and which the next validation makes the
+# default, so that one final_gpu.sh run can follow with all the winners set.
+HALF_ROTATION="d_in_gate=1,d_in_gate=1+scan_half_rotation=1,d_in_gate=1+out_half_rotation=1,\
+d_in_gate=1+scan_half_rotation=1+out_half_rotation=1"
 case "${PART:-1}" in
   1)
     # q's and k's bias add and rotation in bf16, two elements a register (section 29): the state scan's step -16% /
     # -25% of its SASS (tables converted / in bf16), chunk_scan -17% and 40 fewer registers at N = 128.  First how
     # close the outputs come to the accuracy contract's bounds with it (the bf16 pairwise rows, 2 seeds), then the
-    # shapes where the scans are longest and N = 128 at chunk_scan's 128-register cap (four programs an SM).
+    # shapes where the scans are longest, then N = 128 at chunk_scan's 128-register cap in section 28's order (0-16 B
+    # of spill: four programs an SM) against the same order at 168.
     mkdir -p "$OUT/half_rotation_margins"
-    timeout 150 python3 benchmarks/scratch_margins.py --seeds 2 --knob scan_half_rotation+out_half_rotation \
+    timeout 150 python3 benchmarks/scratch_margins.py --seeds 2 --d-in-gate --knob scan_half_rotation+out_half_rotation \
       --json "$OUT/half_rotation_margins/margins.json" 2>&1 | tail -n 12
-    sweep half_rotation CASES="N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 N64_P128_R4_C16 N16_P64_R4_C8" \
-      KNOBS="$HALF_ROTATION"
+    sweep half_rotation CASES="N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 N64_P128_R4_C16" KNOBS="$HALF_ROTATION"
     sweep half_rotation_cap CASES="N128_P64_R4_C16 N128_P64_R8_C8" \
-      KNOBS="scan_half_rotation=1+out_half_rotation=1+out_max_registers=128"
+      KNOBS="scan_half_rotation=1+out_half_rotation=1+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1+out_max_registers=128:168"
     ;;
   2)
-    sweep half_rotation_rest CASES="N32_P64_R4_C16 N64_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 \
-      N128_P64_R1_C64" KNOBS="$HALF_ROTATION"
-    sweep half_rotation_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" KNOBS="$HALF_ROTATION"
+    sweep half_rotation_rest CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 \
+      N128_P64_R2_C32 N128_P64_R1_C64" KNOBS="d_in_gate=1,d_in_gate=1+scan_half_rotation=1+out_half_rotation=1"
+    sweep half_rotation_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" \
+      KNOBS="scan_half_rotation=1,out_half_rotation=1,scan_half_rotation=1+out_half_rotation=1"
     ;;
   3)
     # chunk_scan at N = 128 with its products reordered for registers: at a 128-register cap four programs share
