@@ -39,6 +39,10 @@ case "${PART:-1}" in
       N128_P64_R2_C32 N128_P64_R1_C64" KNOBS="d_in_gate=1,d_in_gate=1+scan_half_rotation=1+out_half_rotation=1"
     sweep half_rotation_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" \
       KNOBS="scan_half_rotation=1,out_half_rotation=1,scan_half_rotation=1+out_half_rotation=1"
+    # Fewer scan registers in half (N128_P32 208 -> 168: three programs an SM; N128_P128's two-pass scans 166 -> 128:
+    # four, so its 512 programs fit one wave): more segments may pay there.
+    sweep half_rotation_segments CASES="N128_P32_R4_C16 N128_P128_R4_C8" \
+      KNOBS="d_in_gate=1+scan_half_rotation=1+out_half_rotation=1+n_segments=2:4:6:8"
     ;;
   3)
     # chunk_scan at N = 128 with its products reordered for registers: at a 128-register cap four programs share
