@@ -23,7 +23,7 @@ d_in_gate=1+scan_half_rotation=1+out_half_rotation=1"
 case "${PART:-1}" in
   1)
     # q's and k's bias add and rotation in bf16, two elements a register (section 29): the state scan's step -16% /
-    # -25% of its SASS (tables converted / in bf16), chunk_scan -17% and 40 fewer registers at N = 128.  First how
+    # -25% of its SASS (tables converted / in bf16), chunk_scan -16% and 38 fewer registers at N = 128.  First how
     # close the outputs come to the accuracy contract's bounds with it (the bf16 pairwise rows, 2 seeds), then the
     # shapes where the scans are longest, then N = 128 at chunk_scan's 128-register cap in section 28's order (0-16 B
     # of spill: four programs an SM) against the same order at 168.

@@ -220,7 +220,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
     half dtype (``host_utils.rotation_math_dtype``).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v, dout, z: [B, S, H, P] (z may be None);
-        cos_angles, sin_angles: [B, S, H, RD] fp32 or fp16; q_bias, k_bias: [H, R, N] fp32;
+        cos_angles, sin_angles: [B, S, H, RD] fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32;
         mimo_v, mimo_o, mimo_z: [H, R, P] fp32 (mimo_z may be None); d: [H] fp32 or None;
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``);
         states: [B, H, nch, N, P] from ``chunk_states`` or ``chunk_local_states``;

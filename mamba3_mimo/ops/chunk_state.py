@@ -247,7 +247,7 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
     """End state of every segment but the last, each scanned from a zero state, span_chunks chunks a step.
 
     Args (contiguous; see ``mamba3_mimo.api`` for validation), passed on to the kernel launch:
-        k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32 or fp16;
+        k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD] fp32, fp16 or bf16;
         k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; da_cs, da_cs_rev, gamma, trap_scale: [B, H, S]
         fp32 (``token_tables``); chunk_size, n_segments, chunks_per_segment, block_half, block_p,
         dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's

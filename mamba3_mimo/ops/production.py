@@ -140,8 +140,8 @@ class ScanConfig:
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
     instead of one.  With both on the cos / sin tables are written in that dtype, else they keep
     ``rotation_table_dtype`` and the 16-bit stages convert them.  Statically (bf16) the state scan's step loses 16% of
-    its SASS with converted tables and 25% with bf16 ones (N128_P64_R4_C16 1040 -> 870 / 776), chunk_scan 17% (2752 ->
-    2288) and 40 registers uncapped at N = 128 (180 -> 139), and N256's chunk_scan its 112 B of spill.  Untimed, off
+    its SASS with converted tables and 25% with bf16 ones (N128_P64_R4_C16 1040 -> 873 / 776), chunk_scan 16% (2752 ->
+    2304) and 38 registers uncapped at N = 128 (180 -> 142), and N256's chunk_scan its 112 B of spill.  Untimed, off
     by default (docs/optimization.md section 29).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).

@@ -214,7 +214,7 @@ def load_angle_tiles(cos_seq_ptr, sin_seq_ptr, t_pos, row_mask, angle_stride, of
     """cos and sin of the rotation angles as [rows, half] tiles (row i is token ``t_pos[i]``).
 
     ``cos_seq_ptr`` / ``sin_seq_ptr`` point at cos(angles)[b, 0, h, 0] / sin(angles)[b, 0, h, 0]
-    (fp32 or fp16, precomputed: libdevice cos/sin per row doubled the registers of the kernels), returned
+    (fp32, fp16 or bf16, precomputed: libdevice cos/sin per row doubled the registers of the kernels), returned
     in the tables' dtype.  Columns n >= RD and masked rows get cos 1, sin 0 (no rotation).  [half, rows]
     with TRANSPOSED.
     """
