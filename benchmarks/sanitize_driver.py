@@ -56,6 +56,9 @@ SPLIT_SCAN_8_WARPS = ScanConfig(block_p=64, n_segments=3, block_half=64, num_war
 # second P tile with Z, spans of 2 chunks of 8 over a 128-wide P tile without Z, and R = 1 with Z.
 SPLIT_GATE_IN_SCAN = dataclasses.replace(SPLIT_P_TILES, out_max_registers=168, gate_in_scan=True)
 SPLIT_GATE_IN_SCAN_SPANS = dataclasses.replace(SPLIT_SPANS, out_max_registers=168, gate_in_scan=True)
+# q / k rotated in bf16 in both stages (bf16 tables), the D skip in gate_grads.
+SPLIT_HALF_ROTATION = dataclasses.replace(SPLIT_P_TILES, scan_half_rotation=True, out_half_rotation=True,
+                                          d_in_gate=True)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -99,6 +102,8 @@ CASES = [
      dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=False, d=True)),
     ("production-split-gate-in-scan-r1", "production", SPLIT_GATE_IN_SCAN,
      dict(B=1, S=150, H=2, G=1, N=128, P=64, R=1, chunk_size=64, dtype=F32, z=True, d=True)),
+    ("production-split-half-rotation", "production", SPLIT_HALF_ROTATION,
+     dict(B=1, S=80, H=2, G=1, N=128, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,
