@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import torch.nn.functional as F
+import triton.language as tl
 
 from conftest import seed_for
+import mamba3_mimo.api as api
 from mamba3_mimo.api import bwd_fwd
 from mamba3_mimo.inputs import make_inputs
 from mamba3_mimo.ops import production
@@ -125,6 +127,40 @@ def test_production_rotation_table_dtype(monkeypatch, dtype, want):
     inputs = make_inputs(B=1, S=24, H=2, N=16, P=16, R=2, chunk_size=8, dtype=dtype, device=DEVICE, seed=7)
     bwd_fwd(**inputs, impl="production")
     assert asked == [want]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scan_half,out_half", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("split_gate", [True, False])
+def test_production_half_rotation_dtypes(monkeypatch, dtype, scan_half, out_half, split_gate):
+    """scan_half_rotation / out_half_rotation give the state scans / the output stage the products' dtype for the
+    rotation where it is 16-bit (fp16 in the interpreter for fp16 activations; bf16 only on the GPU), and the tables
+    that dtype only when both stages take it."""
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
+    seen = {}
+
+    def recording(name, wrapped):
+        def record(**kwargs):
+            seen.setdefault(name, set()).add(kwargs.get("rotation_math_dtype", kwargs.get("rotation_dtype")))
+            return wrapped(**kwargs)
+        monkeypatch.setattr(production, name, record)
+
+    for name in ("token_tables", "segment_end_states", "chunk_states", "chunk_scan", "chunk_output"):
+        recording(name, getattr(production, name))
+    inputs = make_inputs(B=1, S=24, H=2, N=16, P=16, R=2, chunk_size=8, dtype=dtype, device=DEVICE, seed=7)
+    config = production.ScanConfig(block_p=16, n_segments=2, out_block_p=16, split_gate=split_gate,
+                                   scan_half_rotation=scan_half, out_half_rotation=out_half)
+    bwd_fwd(**inputs, impl="production", config=config)
+    dot_dtype, _ = api.dot_operands([dtype], torch.device(DEVICE))
+    half = dot_dtype in (tl.bfloat16, tl.float16)
+    scan_math = dot_dtype if half and scan_half else tl.float32
+    out_math = dot_dtype if half and out_half else tl.float32
+    tables = production.rotation_table_dtype(dtype)
+    if half and scan_half and out_half:
+        tables = torch.bfloat16 if dot_dtype == tl.bfloat16 else torch.float16
+    assert seen.pop("token_tables") == {tables}
+    assert seen.pop("segment_end_states") == seen.pop("chunk_states") == {scan_math}
+    assert seen == {"chunk_scan" if split_gate else "chunk_output": {out_math}}
 
 
 @pytest.mark.parametrize("dtype,want", [(torch.bfloat16, torch.float16), (torch.float16, torch.float32),
