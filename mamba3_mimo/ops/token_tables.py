@@ -103,7 +103,7 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
     Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32;
         rotation_dtype: dtype of the cos / sin tables, fp32, fp16 (|values| <= 1: fp16 rounds them to
         2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products) or bf16
-        (for a rotation computed in bf16, ``ScanConfig.half_rotation``);
+        (for a rotation computed in bf16: ``ScanConfig.scan_half_rotation`` with ``out_half_rotation``);
         flat: one flat index over each table (``_flat_token_tables_kernel``) instead of programs per (b, h)
         and token block; the same values.
     Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] rotation_dtype (views

@@ -268,11 +268,12 @@ def add_bias_halves(x_lo, x_hi, bias_head_ptr, ranks, row_mask, offs_half, half_
 
 @triton.jit
 def bias_add_in_half(x_lo, x_hi, bias_lo, bias_hi, mask, MATH_DTYPE: tl.constexpr):
-    """(x + bias) per half in a half MATH_DTYPE, times the mask as 0 / 1.
+    """(x + bias) per half in a half MATH_DTYPE, times the mask as 0 / 1: masked elements exactly zero.
 
-    Masked x and bias are loaded as 0, so the factor changes no value; it stands where the fp32 form has a select,
-    which on 16-bit elements goes one element at a time, and without either the compiler moved the tiles through
-    shared memory (state scan N128_P64_R4_C16: 64 selects and 80 byte permutes against 32 packed multiplies).
+    Where x and the bias were loaded under the same mask the factor changes no value, and where the bias was not
+    (chunk_scan's [ranks, half] bias over padding tokens) it zeroes those rows.  It stands where the fp32 form has
+    a select, which on 16-bit elements goes one element at a time, and without either the compiler moved the tiles
+    through shared memory (state scan N128_P64_R4_C16: 64 selects and 80 byte permutes against 32 packed multiplies).
     """
     keep = mask.to(MATH_DTYPE)
     x_lo = (x_lo.to(MATH_DTYPE) + bias_lo.to(MATH_DTYPE)) * keep
