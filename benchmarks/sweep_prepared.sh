@@ -43,6 +43,10 @@ case "${PART:-1}" in
     # four, so its 512 programs fit one wave): more segments may pay there.
     sweep half_rotation_segments CASES="N128_P32_R4_C16 N128_P128_R4_C8" \
       KNOBS="d_in_gate=1+scan_half_rotation=1+out_half_rotation=1+n_segments=2:4:6:8"
+    # The local-state scans at 8 warps in half: 168 registers uncapped, 128 with 0-16 B of spill, two 8-warp programs an
+    # SM (16 warps, twice today's); section 22 found 8 warps a tie at best in fp32.
+    sweep half_rotation_8_warps CASES="N128_P64_R4_C16 N128_P64_R8_C8 N64_P128_R4_C16" \
+      KNOBS="d_in_gate=1+scan_half_rotation=1+out_half_rotation=1+num_warps=8+scan_max_registers=0:128"
     ;;
   3)
     # chunk_scan at N = 128 with its products reordered for registers: at a 128-register cap four programs share
