@@ -40,6 +40,8 @@ def _rotated_tiles(x_ptr, bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, si
     """Biased, rotated q or k as [tokens, ranks, half] halves in MATH_DTYPE (x at ``x_offs``, its low half; the
     bias [ranks, half] at ``bias_offs``).  Padding rows are zeroed (not needed for the result, but it took
     registers 255 -> 191 on N128_P64_R1_C64)."""
+    # Each branch has its own loads: the fp32 one keeps the order (load, convert, add) of the GPU-tested code, whose
+    # PTX a shared load ahead of the branch changed.
     if MATH_DTYPE == tl.float32:
         x_lo = tl.load(x_ptr + x_offs, mask=mask3, other=0.0).to(tl.float32) + \
             tl.load(bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :]
