@@ -336,12 +336,31 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
             out_max_registers = 168
         if not gate_in_scan:
             gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
+    # The D skip in the gate's fp32 math (d_in_gate) on every split shape.  Sweeps of 01845e8
+    # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
+    # R2_C32 250 -> 241, N256 807 -> 793, N16 271 -> 266, N64_P64 337 -> 332, N128_P128 812 -> 815, N64_P128
+    # 464 -> 466; without Z (the gate in chunk_scan): N128_P64_R4_C16 400 -> 379, N128_P32 335 -> 323, N256 783 -> 774,
+    # others within 1% (N64_P128 378 -> 385).
+    d_in_gate = split_gate
+    # q's and k's bias add and rotation in bf16 (scan_half_rotation, out_half_rotation; optimization.md 29-30) with
+    # chunk_scan's low-register order (out_q_cast_early, out_y_state_early) and, at N = 128, its 128-register cap
+    # (four programs an SM), on the local-state shapes with bf16 products.  Same sweeps, d_in_gate -> all of it,
+    # with Z: N128_P64_R4_C16 409 -> 373, R8_C8 803 -> 708, R2_C32 241 -> 216, R1_C64 160 -> 141, N128_P32
+    # 320 -> 309, N64_P64 332 -> 323, N32 259 -> 250, N16 266 -> 258; without Z: N128_P64_R4_C16 379 -> 349, R8_C8
+    # 761 -> 694, R2_C32 220 -> 197, R1_C64 145 -> 137, N128_P32 323 -> 315, N32 (fused) 225 -> 220, N64_P64
+    # 292 -> 293.  It loses where the scan loads ahead (N64_P128 466 -> 482 with Z, 385 -> 446 without) and in the
+    # two-pass scans (N256 793 -> 873, state scan 383 -> 476; N128_P128 815 -> 822; N16 without Z 248 -> 258).
+    half_rotation = bool(half_tables and local_states and not scan_prefetch)
+    if half_rotation and split_gate:
+        out_max_registers = 128
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
                       gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
-                      scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch)
+                      scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
+                      d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
+                      out_q_cast_early=half_rotation, out_y_state_early=half_rotation)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
