@@ -126,23 +126,24 @@ class ScanConfig:
     instead of ``chunk_scan`` adding it after its products from v and Psi read again (volatile loads on its path to
     the raw_y store).  Sweeps of 6309ed2 and c08c5c8 with Z (gate_grads' form; graph us, off -> on):
     N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
-    (chunk_scan -11 to -35 us, gate_grads +7 to +19); the gate_in_scan form (Z off, R = 1) is not yet timed.  Off
-    by default until the GPU test grids have run with it (docs/optimization.md sections 26-27).
+    (chunk_scan -11 to -35 us, gate_grads +7 to +19); the dispatcher sets it on every split shape, with and without Z
+    (sweeps of 01845e8: docs/optimization.md section 30).
     flat_tables: ``token_tables`` indexes its tables flat (contiguous loads and stores of angles whatever RD and H
     are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
     out_q_cast_early / out_y_state_early: ``chunk_scan`` (both forms) narrows q~ to the dot dtype before k is
     loaded / forms q~ @ state right after the scores: the same arithmetic in an order with fewer live registers.
     Statically (``benchmarks/aot_report.py``) at N = 128 with Z both together compile to 0-56 B of spill at a
-    128-register cap (96-208 B in the default order), which would let four chunk_scan programs share an SM instead
-    of three; untimed, off by default (docs/optimization.md section 28).
+    128-register cap (96-208 B in the default order), which lets four chunk_scan programs share an SM instead
+    of three (docs/optimization.md section 28); the dispatcher sets both with the half rotation below (section 30).
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
     instead of one.  With both on the cos / sin tables are written in that dtype, else they keep
     ``rotation_table_dtype`` and the 16-bit stages convert them.  Statically (bf16) the state scan's step loses 16% of
     its SASS with converted tables and 25% with bf16 ones (N128_P64_R4_C16 1040 -> 873 / 776), chunk_scan 16% (2752 ->
-    2304) and 38 registers uncapped at N = 128 (180 -> 142), and N256's chunk_scan its 112 B of spill.  Untimed, off
-    by default (docs/optimization.md section 29).
+    2304) and 38 registers uncapped at N = 128 (180 -> 142), and N256's chunk_scan its 112 B of spill
+    (docs/optimization.md section 29).  The dispatcher sets both on the local-state shapes with bf16 products,
+    except where the scan loads ahead (section 30: N128_P64_R4_C16 409 -> 373 us with the order and cap above).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
