@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from mamba3_mimo.bench import OFFICIAL_CASES, geomean, parse_case, sweep_configs
+from mamba3_mimo.ops import production
 from mamba3_mimo.ops.production import (HALF_TABLE_SCAN_RESIDENCY, PREFETCH_SCAN_RESIDENCY, RESIDENT_SCAN_PROGRAMS,
                                         TWO_PASS_SCAN, ScanConfig, choose_config,
                                         gate_tokens_per_program)
@@ -86,12 +87,10 @@ def test_dispatcher_output_stage(N, P, has_z, split):
 
 
 @pytest.mark.parametrize("N,P,has_z,cap", [(16, 64, True, 128), (64, 128, True, 128), (64, 64, False, 128),
-                                           (128, 64, True, 128), (128, 64, False, 128), (128, 128, True, 168),
-                                           (256, 64, True, 0)])
+                                           (128, 64, True, 168), (128, 64, False, 168), (256, 64, True, 0)])
 def test_dispatcher_chunk_scan_register_cap(N, P, has_z, cap):
-    """chunk_scan fits four programs an SM at N <= 64 (128 registers) and, rotating in bf16 in its low-register
-    order, at N = 128 with local states; three at N128_P128 (168); N = 256 runs uncapped (optimization.md 15, 23,
-    30)."""
+    """chunk_scan fits four programs an SM at N <= 64 (128 registers), three at N = 128 (168); N = 256 runs
+    uncapped (optimization.md 15, 23)."""
     config = choose_config(**dict(SHAPE, N=N, P=P), has_z=has_z)
     assert config.split_gate and config.out_max_registers == cap
 
@@ -99,11 +98,20 @@ def test_dispatcher_chunk_scan_register_cap(N, P, has_z, cap):
 @pytest.mark.parametrize("half_tables", [True, False])
 @pytest.mark.parametrize("has_z", [True, False])
 @pytest.mark.parametrize("case", OFFICIAL_CASES)
-def test_dispatcher_half_rotation_and_d_in_gate(case, has_z, half_tables):
-    """bf16 rotation with chunk_scan's low-register order on the local-state shapes with bf16 products, except where
-    the scan loads ahead (N64_P128); never in the two-pass shapes (N256, N128_P128, N16 without Z) nor with fp32
-    tables.  The D skip in the gate's math on every split shape (sweeps of 01845e8, optimization.md 30)."""
-    config = choose_config(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
+def test_dispatcher_swept_knobs(case, has_z, half_tables):
+    """With the knobs the sweeps of 01845e8 chose (optimization.md 30): the bf16 rotation with chunk_scan's
+    low-register order on the local-state shapes with bf16 products, except where the scan loads ahead (N64_P128);
+    never in the two-pass shapes (N256, N128_P128, N16 without Z) nor with fp32 tables; the D skip in the gate's
+    math on every split shape.  Everything else as without them; until the GPU test grids pass with them the
+    dispatcher leaves them off."""
+    shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
+    config = choose_config(**shape, swept_knobs=True)
+    tested = choose_config(**shape)
+    assert not production.DISPATCH_SWEPT_KNOBS and tested == choose_config(**shape, swept_knobs=False)
+    knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
+             "out_max_registers")
+    assert not any(getattr(tested, name) for name in knobs[:-1])
+    assert dataclasses.replace(config, **{name: getattr(tested, name) for name in knobs}) == tested
     half = half_tables and config.local_states and not config.scan_prefetch
     assert half is (half_tables and case not in ("N256_P64_R4_C8", "N128_P128_R4_C8", "N64_P128_R4_C16")
                     and (has_z or case != "N16_P64_R4_C8"))
@@ -113,6 +121,7 @@ def test_dispatcher_half_rotation_and_d_in_gate(case, has_z, half_tables):
     if config.split_gate:
         want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]
         assert config.out_max_registers == want_cap
+        assert tested.out_max_registers == {128: 168}.get(parse_case(case)["N"], want_cap)
 
 
 @pytest.mark.parametrize("N,P,R,C,state_span", [(16, 64, 4, 8, 2), (32, 64, 4, 16, 1), (256, 64, 4, 8, 1),

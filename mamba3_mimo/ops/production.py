@@ -74,6 +74,12 @@ PREFETCH_SCAN_RESIDENCY = {(32, 64): 2}
 MIN_CHUNKS_PER_SEGMENT = 4
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
+# The knobs the sweeps of 01845e8 chose (docs/optimization.md section 30): d_in_gate on every split shape; the bf16
+# rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes.  Timed on the
+# H200 (Z on -8% graph geomean), not yet through the GPU test grids: no device could be started for them in that
+# session, and a timed knob stays out of the defaults until final_gpu.sh has passed with it (as d_in_gate was held
+# in sections 26-27).  The next device session sets this True, runs final_gpu.sh, and keeps it if that passes.
+DISPATCH_SWEPT_KNOBS = False
 
 
 def _check_tile(name, value):
@@ -126,15 +132,16 @@ class ScanConfig:
     instead of ``chunk_scan`` adding it after its products from v and Psi read again (volatile loads on its path to
     the raw_y store).  Sweeps of 6309ed2 and c08c5c8 with Z (gate_grads' form; graph us, off -> on):
     N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
-    (chunk_scan -11 to -35 us, gate_grads +7 to +19); the dispatcher sets it on every split shape, with and without Z
-    (sweeps of 01845e8: docs/optimization.md section 30).
+    (chunk_scan -11 to -35 us, gate_grads +7 to +19); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it on every
+    split shape, with and without Z (sweeps of 01845e8: docs/optimization.md section 30).
     flat_tables: ``token_tables`` indexes its tables flat (contiguous loads and stores of angles whatever RD and H
     are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
     out_q_cast_early / out_y_state_early: ``chunk_scan`` (both forms) narrows q~ to the dot dtype before k is
     loaded / forms q~ @ state right after the scores: the same arithmetic in an order with fewer live registers.
     Statically (``benchmarks/aot_report.py``) at N = 128 with Z both together compile to 0-56 B of spill at a
     128-register cap (96-208 B in the default order), which lets four chunk_scan programs share an SM instead
-    of three (docs/optimization.md section 28); the dispatcher sets both with the half rotation below (section 30).
+    of three (docs/optimization.md section 28); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets both with the half
+    rotation below (section 30).
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -142,8 +149,9 @@ class ScanConfig:
     ``rotation_table_dtype`` and the 16-bit stages convert them.  Statically (bf16) the state scan's step loses 16% of
     its SASS with converted tables and 25% with bf16 ones (N128_P64_R4_C16 1040 -> 873 / 776), chunk_scan 16% (2752 ->
     2304) and 38 registers uncapped at N = 128 (180 -> 142), and N256's chunk_scan its 112 B of spill
-    (docs/optimization.md section 29).  The dispatcher sets both on the local-state shapes with bf16 products,
-    except where the scan loads ahead (section 30: N128_P64_R4_C16 409 -> 373 us with the order and cap above).
+    (docs/optimization.md section 29).  With ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets both on the local-state
+    shapes with bf16 products, except where the scan loads ahead (section 30: N128_P64_R4_C16 409 -> 373 us with the
+    order and cap above).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     """
@@ -201,13 +209,16 @@ class ScanConfig:
 
 # Cached: a call's host work is several times the device time on small problems (benchmarks/host_profile.py).
 @functools.lru_cache(maxsize=256)
-def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has_z=True, half_tables=True):
+def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has_z=True, half_tables=True,
+                  swept_knobs=None):
     """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md).
 
     ``split_gate``: force the split (True) or the fused (False) output stage, with the settings that go
     with it; None: the dispatcher's rule.  ``has_z``: whether the call has the SiLU gate (z).
     ``half_tables``: the rotation tables are fp16 (``rotation_table_dtype``: bf16 activations, as on the
     official grid), which leaves the state scans fewer registers and room for more programs an SM.
+    ``swept_knobs``: take the knobs of ``DISPATCH_SWEPT_KNOBS`` (True), leave them off (False), or follow that
+    constant (None).
     """
     nch = cdiv(S, chunk_size)
     p_pow = max(16, next_power_of_2(P))
@@ -342,7 +353,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # R2_C32 250 -> 241, N256 807 -> 793, N16 271 -> 266, N64_P64 337 -> 332, N128_P128 812 -> 815, N64_P128
     # 464 -> 466; without Z (the gate in chunk_scan): N128_P64_R4_C16 400 -> 379, N128_P32 335 -> 323, N256 783 -> 774,
     # others within 1% (N64_P128 378 -> 385).
-    d_in_gate = split_gate
+    swept = DISPATCH_SWEPT_KNOBS if swept_knobs is None else swept_knobs
+    d_in_gate = bool(swept and split_gate)
     # q's and k's bias add and rotation in bf16 (scan_half_rotation, out_half_rotation; optimization.md 29-30) with
     # chunk_scan's low-register order (out_q_cast_early, out_y_state_early) and, at N = 128, its 128-register cap
     # (four programs an SM), on the local-state shapes with bf16 products.  Same sweeps, d_in_gate -> all of it,
@@ -351,7 +363,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 761 -> 694, R2_C32 220 -> 197, R1_C64 145 -> 137, N128_P32 323 -> 315, N32 (fused) 225 -> 220, N64_P64
     # 292 -> 293.  It loses where the scan loads ahead (N64_P128 466 -> 482 with Z, 385 -> 446 without) and in the
     # two-pass scans (N256 793 -> 873, state scan 383 -> 476; N128_P128 815 -> 822; N16 without Z 248 -> 258).
-    half_rotation = bool(half_tables and local_states and not scan_prefetch)
+    half_rotation = bool(swept and half_tables and local_states and not scan_prefetch)
     if half_rotation and split_gate:
         out_max_registers = 128
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
