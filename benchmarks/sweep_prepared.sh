@@ -2,6 +2,7 @@
 # Time the knobs prepared without a device (docs/optimization.md sections 27-29) in six device calls, one group of
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
+# Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
 # usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
