@@ -332,22 +332,6 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 592 -> 497, N128_P128 929 -> 836, N256 1041 -> 967, N128_P32 388 -> 381, R8_C8 829 -> 814, R2_C32
     # 247 -> 228, R1_C64 166 -> 154).
     gate_in_scan = bool(split_gate and (R == 1 or not has_z))
-    if split_gate:
-        # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
-        # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
-        # spill included); N = 256 spills 1.1 KB at that cap and runs uncapped.
-        # At N <= 64 a 128 cap fits four (16-24 B of spill): sweeps of 71fea87 (2026-12-04_h200_sweep_71fea87_
-        # out_cap*.json, graph us, 168 -> 128) N16_P64_R4_C8 303 -> 279 (chunk_scan 156 -> 132), N32_P64_R4_C16
-        # 298 -> 273, N64_P64_R4_C16 370 -> 347, N64_P128_R4_C16 521 -> 507, without Z (gate in chunk_scan)
-        # N64_P128 395 -> 364; at N = 128 it spills 136-248 B and loses (N128_P64_R4_C16 440 -> 473, R8_C8
-        # 888 -> 957, N128_P128 835 -> 881) but for R1_C64 (157 -> 153, 141 -> 139: within noise, not taken).
-        out_num_warps = 4
-        if N <= 64:
-            out_max_registers = 128
-        elif N <= 128:
-            out_max_registers = 168
-        if not gate_in_scan:
-            gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
     # The D skip in the gate's fp32 math (d_in_gate) on every split shape.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
     # R2_C32 250 -> 241, N256 807 -> 793, N16 271 -> 266, N64_P64 337 -> 332, N128_P128 812 -> 815, N64_P128
@@ -364,8 +348,23 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 292 -> 293.  It loses where the scan loads ahead (N64_P128 466 -> 482 with Z, 385 -> 446 without) and in the
     # two-pass scans (N256 793 -> 873, state scan 383 -> 476; N128_P128 815 -> 822; N16 without Z 248 -> 258).
     half_rotation = bool(swept and half_tables and local_states and not scan_prefetch)
-    if half_rotation and split_gate:
-        out_max_registers = 128
+    if split_gate:
+        # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
+        # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
+        # spill included); N = 256 spills 1.1 KB at that cap and runs uncapped.
+        # At N <= 64 a 128 cap fits four (16-24 B of spill): sweeps of 71fea87 (2026-12-04_h200_sweep_71fea87_
+        # out_cap*.json, graph us, 168 -> 128) N16_P64_R4_C8 303 -> 279 (chunk_scan 156 -> 132), N32_P64_R4_C16
+        # 298 -> 273, N64_P64_R4_C16 370 -> 347, N64_P128_R4_C16 521 -> 507, without Z (gate in chunk_scan)
+        # N64_P128 395 -> 364; at N = 128 it spills 136-248 B and loses (N128_P64_R4_C16 440 -> 473, R8_C8
+        # 888 -> 957, N128_P128 835 -> 881) but for R1_C64 (157 -> 153, 141 -> 139: within noise, not taken).
+        # With the half rotation in the low-register order it spills 0-16 B there and wins (above).
+        out_num_warps = 4
+        if N <= 64 or half_rotation:
+            out_max_registers = 128
+        elif N <= 128:
+            out_max_registers = 168
+        if not gate_in_scan:
+            gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
