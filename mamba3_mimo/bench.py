@@ -283,7 +283,13 @@ def _knob_group(joined, knobs):
 
 
 def kernel_breakdown(inputs, impl, output_dtype, config=None, calls=5):
-    """Mean device time per kernel name (us) over ``calls`` calls, from the torch profiler."""
+    """Device time of a call's kernels over ``calls`` calls, from the torch profiler.
+
+    Returns (mean us per kernel name, mean us per launch in call order as [name, us] pairs or None): the
+    second tells apart the launches of one kernel in a call (the two state-scan passes of the two-pass
+    schedule), which the first sums.
+    """
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from .api import bwd_fwd
@@ -299,7 +305,28 @@ def kernel_breakdown(inputs, impl, output_dtype, config=None, calls=5):
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if device_us:
             totals[event.key[:48]] = device_us / calls
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    kernels = [(event.name[:48], event.time_range.start, event.time_range.elapsed_us())
+               for event in prof.events() if event.device_type == DeviceType.CUDA]
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])), launch_sequence(kernels, calls)
+
+
+def launch_sequence(kernels, calls):
+    """One call's launches in order as [name, mean us] pairs, from ``calls`` alike calls' kernels.
+
+    ``kernels``: (name, start us, duration us) of every kernel the calls ran, in any order.  None where the
+    calls did not launch the same kernels in the same order (then a position means nothing).
+    """
+    ordered = sorted(kernels, key=lambda kernel: kernel[1])
+    if not ordered or len(ordered) % calls:
+        return None
+    per_call = len(ordered) // calls
+    names = [name for name, _, _ in ordered[:per_call]]
+    sums = [0.0] * per_call
+    for index, (name, _, us) in enumerate(ordered):
+        if name != names[index % per_call]:
+            return None
+        sums[index % per_call] += us
+    return [[name, total / calls] for name, total in zip(names, sums)]
 
 
 def _git_commit():
@@ -366,7 +393,8 @@ def run(args):
                 record["speedup_vs_tilelang"] = record["tilelang_ms"] / ms
                 record["graph_speedup_vs_tilelang"] = record["tilelang_ms"] / graph_ms
             if args.breakdown:
-                record["breakdown_us"] = kernel_breakdown(input_sets[0], impl, output_dtype, config=config)
+                record["breakdown_us"], record["launches_us"] = kernel_breakdown(input_sets[0], impl, output_dtype,
+                                                                                 config=config)
                 print("    " + ", ".join(f"{k}: {v:.1f}" for k, v in record["breakdown_us"].items()),
                       file=sys.stderr)
             case_records.append(record)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from mamba3_mimo.bench import OFFICIAL_CASES, geomean, parse_case, sweep_configs
+from mamba3_mimo.bench import OFFICIAL_CASES, geomean, launch_sequence, parse_case, sweep_configs
 from mamba3_mimo.ops import production
 from mamba3_mimo.ops.production import (HALF_TABLE_SCAN_RESIDENCY, PREFETCH_SCAN_RESIDENCY, RESIDENT_SCAN_PROGRAMS,
                                         TWO_PASS_SCAN, ScanConfig, choose_config,
@@ -23,6 +23,19 @@ def test_geomean():
 
 def _moved(config, chosen):
     return {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(chosen, f.name)}
+
+
+def test_launch_sequence_tells_apart_the_launches_of_one_kernel():
+    # Two calls of tables -> scan (end states) -> scan (storing) -> out, listed out of order.
+    call = [("tables", 0.0, 10.0), ("scan", 20.0, 100.0), ("scan", 130.0, 300.0), ("out", 440.0, 50.0)]
+    second = [(name, start + 1000.0, us + 2.0) for name, start, us in call]
+    kernels = list(reversed(call + second))
+    assert launch_sequence(kernels, 2) == [["tables", 11.0], ["scan", 101.0], ["scan", 301.0], ["out", 51.0]]
+    # Calls that launched differently, or a count the calls do not divide, have no sequence.
+    assert launch_sequence(call + [("out", 1000.0, 1.0), ("scan", 1010.0, 1.0), ("scan", 1020.0, 1.0),
+                                   ("tables", 1030.0, 1.0)], 2) is None
+    assert launch_sequence(call + second[:3], 2) is None
+    assert launch_sequence([], 2) is None
 
 
 def test_sweep_moves_one_knob_at_a_time():
