@@ -52,6 +52,8 @@ SPLIT_SCAN_N128 = ScanConfig(block_p=64, n_segments=3, block_half=32, out_block_
 # The two-pass scans of N256's [2 x 64, 64] tiles at 8 warps (the dispatcher's since f57a6ee), here at N = 128.
 SPLIT_SCAN_8_WARPS = ScanConfig(block_p=64, n_segments=3, block_half=64, num_warps=8, out_block_p=64, out_num_warps=4,
                                 out_span_chunks=2, end_span_chunks=2, split_gate=True)
+# Its end-state pass alone loading a step ahead (end_scan_prefetch: segments of two spans of 2 chunks).
+SPLIT_SCAN_END_PREFETCH = dataclasses.replace(SPLIT_SCAN_8_WARPS, end_scan_prefetch=True)
 # chunk_scan applying the gate itself (gate_in_scan, the dispatcher's choice without Z and at R = 1): a partial
 # second P tile with Z, spans of 2 chunks of 8 over a 128-wide P tile without Z, and R = 1 with Z.
 SPLIT_GATE_IN_SCAN = dataclasses.replace(SPLIT_P_TILES, out_max_registers=168, gate_in_scan=True)
@@ -95,6 +97,8 @@ CASES = [
     ("production-split-scan-n128", "production", SPLIT_SCAN_N128,
      dict(B=1, S=72, H=2, G=1, N=128, P=128, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-split-scan-8-warps", "production", SPLIT_SCAN_8_WARPS,
+     dict(B=1, S=72, H=2, G=1, N=128, P=64, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
+    ("production-split-scan-end-prefetch", "production", SPLIT_SCAN_END_PREFETCH,
      dict(B=1, S=72, H=2, G=1, N=128, P=64, R=4, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-split-gate-in-scan-z", "production", SPLIT_GATE_IN_SCAN,
      dict(B=1, S=80, H=2, G=1, N=128, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),

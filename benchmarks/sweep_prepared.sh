@@ -3,7 +3,7 @@
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7 bash benchmarks/sweep_prepared.sh
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7|8 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -87,21 +87,29 @@ case "${PART:-1}" in
     sweep noz_small_split NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="split_gate=1+d_in_gate=0:1"
     ;;
   7)
-    # Why the two-pass scans lose in half (section 31): N256's state scans 383 -> 476 us and N128_P128's 411 -> 433
-    # although their loops shrink 17-26% and no shared-memory round trip or barrier appears in the SASS.  Nsight
-    # Compute on both passes of the second call, bf16 rotation off and on (stall reasons, issue slots, L2 / DRAM
-    # throughput a pass), then N128_P128's scan over [2 x 32, 128] tiles at 8 warps: k~ rotated once for all of P
-    # (two programs a (b, h) instead of four), 116-128 registers, two programs an SM.
+    # The two-pass scans (N256, N128_P128: ~400 us of scans a call, 31-35% of their issue rate; section 31).  The
+    # end-state pass loading a step ahead (its 128 / 256 programs leave the registers free; in both passes it cost
+    # N256 829 -> 979 in section 22), with the fp32 and the bf16 rotation; then N128_P128's scan over [2 x 32, 128]
+    # tiles at 8 warps: k~ rotated once for all of P, two programs an SM, one wave (statically -17 / -24% of the
+    # instructions a step).
+    sweep two_pass_prefetch CASES="N256_P64_R4_C8 N128_P128_R4_C8" \
+      KNOBS="end_scan_prefetch=1,end_scan_prefetch=1+scan_half_rotation=1+out_half_rotation=1"
+    sweep two_pass_wide_p CASES="N128_P128_R4_C8" \
+      KNOBS="block_p=128+num_warps=8+n_segments=2:4,block_p=128+num_warps=8+end_scan_prefetch=0:1+scan_half_rotation=1+out_half_rotation=1"
+    ;;
+  8)
+    # Why the two-pass scans lose in bf16 (section 30: N256's state scans 383 -> 476 us, N128_P128's 411 -> 433,
+    # though their loops shrink 17-26% with the same loads, shared-memory operations and barriers; section 31):
+    # Nsight Compute on both passes of the second call, the rotation in fp32 and in bf16 (stall reasons, issue slots,
+    # L1 / L2 / DRAM throughput a pass).
     for half in 0 1; do
       CASES="N256_P64_R4_C8 N128_P128_R4_C8" KERNELS=_state_scan_kernel LAUNCH_SKIP=2 LAUNCH_COUNT=2 \
         CONFIG="scan_half_rotation=$half,out_half_rotation=$half" TAG="half$half" OUT="$OUT/two_pass_ncu" \
         CASE_TIMEOUT=150 bash benchmarks/ncu_profile.sh
     done
-    sweep two_pass_wide_p CASES="N128_P128_R4_C8" \
-      KNOBS="block_p=128+num_warps=8+n_segments=2:4,block_p=128+num_warps=8+n_segments=2:4+scan_half_rotation=1+out_half_rotation=1"
     ;;
   *)
-    echo "PART must be 1 to 7" >&2
+    echo "PART must be 1 to 8" >&2
     exit 2
     ;;
 esac

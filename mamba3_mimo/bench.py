@@ -225,6 +225,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         state_span_chunks=[m for m in (1, 2, 4) if chunk_size * m * R <= 128 and m <= nch],
         gate_in_scan=[False, True],
         scan_prefetch=[False, True],
+        end_scan_prefetch=[False, True],
         half_raw_y=[False, True],
         d_in_gate=[False, True],
         gate_tile_elements=[1024, 2048, 4096],
@@ -251,8 +252,8 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
                 candidate = dataclasses.replace(base, **overrides)
             except ValueError:
                 continue
-            if candidate.local_states:  # the one-pass schedule has no end-state scan: its span is moot
-                candidate = dataclasses.replace(candidate, end_span_chunks=1)
+            if candidate.local_states:  # the one-pass schedule has no end-state scan: its span and loads are moot
+                candidate = dataclasses.replace(candidate, end_span_chunks=1, end_scan_prefetch=False)
             if not candidate.split_gate:  # the fused output stage has no gate_grads pass
                 candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens, gate_in_scan=False)
             elif candidate.gate_in_scan:  # nor has chunk_scan applying the gate

@@ -146,9 +146,10 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=16, n_segments=5, out_block_p=16, chunks_per_program=4, num_warps=2, out_num_warps=4),
     ScanConfig(block_p=32, n_segments=8, block_half=32, out_block_p=64, chunks_per_program=8),
     ScanConfig(block_p=32, n_segments=3, block_half=32, out_block_p=32, scan_max_registers=168),  # a capped scan
-    # Scans that load a step ahead: two passes (the end-state pass in spans of 2), then local states with
-    # two chunks a step, each segment's last step loading nothing.
+    # Scans that load a step ahead: two passes (the end-state pass in spans of 2; then that pass alone, a chunk a
+    # step), then local states with two chunks a step, each segment's last step loading nothing.
     ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, end_span_chunks=2, scan_prefetch=True),
+    ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, end_scan_prefetch=True),
     ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=True, split_gate=True, state_span_chunks=2,
                scan_prefetch=True),
     # Scans whose upper N/2 tile (n >= RD = 16 of 32) skips the rotation: two passes, then local states loading
@@ -161,6 +162,7 @@ PRODUCTION_CONFIGS = [
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
                          f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else "")
+                         + ("-epf" if c.end_scan_prefetch else "")
                          + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):

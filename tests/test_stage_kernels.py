@@ -163,6 +163,30 @@ def test_production_half_rotation_dtypes(monkeypatch, dtype, scan_half, out_half
     assert seen == {"chunk_scan" if split_gate else "chunk_output": {out_math}}
 
 
+@pytest.mark.parametrize("scan_prefetch,end_prefetch", [(False, False), (False, True), (True, False), (True, True)])
+def test_production_end_scan_prefetch(monkeypatch, scan_prefetch, end_prefetch):
+    """end_scan_prefetch makes the end-state pass load a step ahead and leaves the storing pass as scan_prefetch has
+    it; the one-pass schedule (local states) has no end-state pass to give it to."""
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
+    seen = {}
+
+    def recording(name, wrapped):
+        def record(**kwargs):
+            seen.setdefault(name, []).append(kwargs["prefetch"])
+            return wrapped(**kwargs)
+        monkeypatch.setattr(production, name, record)
+
+    for name in ("segment_end_states", "chunk_states", "chunk_local_states"):
+        recording(name, getattr(production, name))
+    inputs = make_inputs(B=1, S=40, H=2, N=16, P=16, R=2, chunk_size=8, dtype=torch.float32, device=DEVICE, seed=7)
+    for local_states in (False, True):
+        config = production.ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=local_states,
+                                       scan_prefetch=scan_prefetch, end_scan_prefetch=end_prefetch)
+        bwd_fwd(**inputs, impl="production", config=config)
+    assert seen == {"segment_end_states": [scan_prefetch or end_prefetch], "chunk_states": [scan_prefetch],
+                    "chunk_local_states": [scan_prefetch]}
+
+
 @pytest.mark.parametrize("dtype,want", [(torch.bfloat16, torch.float16), (torch.float16, torch.float32),
                                         (torch.float32, torch.float32)])
 @pytest.mark.parametrize("half_raw_y", [True, False])

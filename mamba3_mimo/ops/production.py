@@ -117,6 +117,10 @@ class ScanConfig:
     holds three 4-warp scan programs instead of two where the compiler takes 255 (the 64-wide tiles).
     scan_prefetch: the state scans issue each step's loads one step ahead (held in registers across the
     step's products), so their latency hides under the previous step's work.
+    end_scan_prefetch: the same for the end-state pass of the two-pass schedule alone (``segment_end_states``).
+    Where that pass has at most one program an SM's worth of slots (N256, N128_P128 at two segments: 128 / 256
+    programs) its extra registers cost no residency, while in the storing pass they do (section 22: prefetch in both
+    passes, N256 829 -> 979 us); untimed, off by default (docs/optimization.md section 31).
     scan_skip_unrotated: state-scan programs whose N/2 tile lies wholly past the rotary dims (n >= RD = N/4 in
     each half: the upper tiles where block_half <= RD, e.g. N = 256 at 64, N = 128 at 32) branch around the
     rotation math.  Statically 12-18% of the loop's SASS is skipped for those programs (docs/optimization.md
@@ -174,6 +178,7 @@ class ScanConfig:
     gate_in_scan: bool = False
     scan_max_registers: int = 0
     scan_prefetch: bool = False
+    end_scan_prefetch: bool = False
     scan_skip_unrotated: bool = False
     flat_tables: bool = False
     half_raw_y: bool = True
@@ -470,7 +475,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     else:
         # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
         # twice within a call, which keeps a recorded call's scratch layout the same from call to call.
-        seg_end = segment_end_states(**scan, span_chunks=config.end_span_chunks)
+        seg_end = segment_end_states(**dict(scan, prefetch=config.scan_prefetch or config.end_scan_prefetch),
+                                     span_chunks=config.end_span_chunks)
         chunk_states(**scan, seg_state=seg_end, states=handoff, span_chunks=config.state_span_chunks)
     output_stage = dict(
         q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
