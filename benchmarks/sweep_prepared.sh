@@ -96,6 +96,12 @@ case "${PART:-1}" in
       KNOBS="end_scan_prefetch=1,end_scan_prefetch=1+scan_half_rotation=1+out_half_rotation=1"
     sweep two_pass_wide_p CASES="N128_P128_R4_C8" \
       KNOBS="block_p=128+num_warps=8+n_segments=2:4,block_p=128+num_warps=8+end_scan_prefetch=0:1+scan_half_rotation=1+out_half_rotation=1"
+    # The local-state scans of N = 128 at 8 warps loading a step ahead (184 registers in fp32, 211 in bf16: one program
+    # an SM, the same 8 warps an SM as today's two 4-warp programs) over 2 segments (one wave of 128 programs): a
+    # shorter step, twice the steps, and chunk_scan's entry fix-up on half the chunks instead of three quarters (-1/3
+    # of its 28 / 89 us at R4_C16 / R8_C8, section 24).
+    sweep local_8_warps_prefetch CASES="N128_P64_R4_C16 N128_P64_R8_C8" \
+      KNOBS="num_warps=8+scan_prefetch=1+n_segments=2:4,num_warps=8+scan_prefetch=1+n_segments=2+scan_half_rotation=1+out_half_rotation=1+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
     ;;
   8)
     # Why the two-pass scans lose in bf16 (section 30: N256's state scans 383 -> 476 us, N128_P128's 411 -> 433,
