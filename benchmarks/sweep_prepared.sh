@@ -96,6 +96,10 @@ case "${PART:-1}" in
       KNOBS="end_scan_prefetch=1,end_scan_prefetch=1+scan_half_rotation=1+out_half_rotation=1"
     sweep two_pass_wide_p CASES="N128_P128_R4_C8" \
       KNOBS="block_p=128+num_warps=8+n_segments=2:4,block_p=128+num_warps=8+end_scan_prefetch=0:1+scan_half_rotation=1+out_half_rotation=1"
+    # N64_P128's local-state scan the same way: [2 x 32, 128] tiles at 8 warps, one program an SM (8 warps, as today's
+    # two 4-warp programs loading ahead), the same steps at 2 segments, 30-34% fewer instructions a (b, h) and step.
+    sweep local_wide_p CASES="N64_P128_R4_C16" \
+      KNOBS="block_p=128+num_warps=8+scan_prefetch=0:1,block_p=128+num_warps=8+scan_prefetch=1+scan_half_rotation=1+out_half_rotation=1"
     # The local-state scans of N = 128 at 8 warps loading a step ahead (184 registers in fp32, 211 in bf16: one program
     # an SM, the same 8 warps an SM as today's two 4-warp programs) over 2 segments (one wave of 128 programs): a
     # shorter step, twice the steps, and chunk_scan's entry fix-up on half the chunks instead of three quarters (-1/3
