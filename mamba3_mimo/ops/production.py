@@ -74,11 +74,11 @@ PREFETCH_SCAN_RESIDENCY = {(32, 64): 2}
 MIN_CHUNKS_PER_SEGMENT = 4
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
-# The knobs the sweeps of 01845e8 chose (docs/optimization.md section 30): d_in_gate on every split shape; the bf16
-# rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes.  Timed on the
-# H200 (Z on -8% graph geomean), not yet through the GPU test grids: no device could be started for them in that
-# session, and a timed knob stays out of the defaults until final_gpu.sh has passed with it (as d_in_gate was held
-# in sections 26-27).  The next device session sets this True, runs final_gpu.sh, and keeps it if that passes.
+# The knobs the sweeps of 01845e8 chose (docs/optimization.md sections 30-31): d_in_gate on the split shapes with
+# P <= 64; the bf16 rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes.
+# Timed on the H200 (Z on -8% graph geomean), not yet through the GPU test grids: no device could be started for them
+# in that session, and a timed knob stays out of the defaults until final_gpu.sh has passed with it (as d_in_gate was
+# held in sections 26-27).  The next device session sets this True, runs final_gpu.sh, and keeps it if that passes.
 DISPATCH_SWEPT_KNOBS = False
 
 
@@ -136,8 +136,8 @@ class ScanConfig:
     instead of ``chunk_scan`` adding it after its products from v and Psi read again (volatile loads on its path to
     the raw_y store).  Sweeps of 6309ed2 and c08c5c8 with Z (gate_grads' form; graph us, off -> on):
     N128_P64_R4_C16 420 -> 407, R8_C8 823 -> 803, N128_P32 391 -> 367, N16 267 -> 263, N64_P128 465 -> 464
-    (chunk_scan -11 to -35 us, gate_grads +7 to +19); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it on every
-    split shape, with and without Z (sweeps of 01845e8: docs/optimization.md section 30).
+    (chunk_scan -11 to -35 us, gate_grads +7 to +19); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it on the
+    split shapes with P <= 64, with and without Z (sweeps of 01845e8: docs/optimization.md sections 30-31).
     flat_tables: ``token_tables`` indexes its tables flat (contiguous loads and stores of angles whatever RD and H
     are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
     out_q_cast_early / out_y_state_early: ``chunk_scan`` (both forms) narrows q~ to the dot dtype before k is
@@ -337,13 +337,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 592 -> 497, N128_P128 929 -> 836, N256 1041 -> 967, N128_P32 388 -> 381, R8_C8 829 -> 814, R2_C32
     # 247 -> 228, R1_C64 166 -> 154).
     gate_in_scan = bool(split_gate and (R == 1 or not has_z))
-    # The D skip in the gate's fp32 math (d_in_gate) on every split shape.  Sweeps of 01845e8
+    # The D skip in the gate's fp32 math (d_in_gate) on the split shapes with P <= 64.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
     # R2_C32 250 -> 241, N256 807 -> 793, N16 271 -> 266, N64_P64 337 -> 332, N128_P128 812 -> 815, N64_P128
     # 464 -> 466; without Z (the gate in chunk_scan): N128_P64_R4_C16 400 -> 379, N128_P32 335 -> 323, N256 783 -> 774,
-    # others within 1% (N64_P128 378 -> 385).
+    # others within 1% (N64_P128 378 -> 385).  Not at P = 128: there gate_grads with the D skip spills 14 B at its
+    # 128-register cap (none at P = 64, R = 4) and takes 99 -> 118 / 100 -> 121 us, more than chunk_scan saves
+    # (N128_P128 812 -> 815, N64_P128 464 -> 466 with Z, 378 -> 385 without; optimization.md section 31).
     swept = DISPATCH_SWEPT_KNOBS if swept_knobs is None else swept_knobs
-    d_in_gate = bool(swept and split_gate)
+    d_in_gate = bool(swept and split_gate and p_pow <= 64)
     # q's and k's bias add and rotation in bf16 (scan_half_rotation, out_half_rotation; optimization.md 29-30) with
     # chunk_scan's low-register order (out_q_cast_early, out_y_state_early) and, at N = 128, its 128-register cap
     # (four programs an SM), on the local-state shapes with bf16 products.  Same sweeps, d_in_gate -> all of it,
