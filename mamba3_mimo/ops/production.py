@@ -78,7 +78,8 @@ SPAN_ROWS = 64
 # P <= 64; the bf16 rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes.
 # Timed on the H200 (Z on -8% graph geomean), not yet through the GPU test grids: no device could be started for them
 # in that session, and a timed knob stays out of the defaults until final_gpu.sh has passed with it (as d_in_gate was
-# held in sections 26-27).  The next device session sets this True, runs final_gpu.sh, and keeps it if that passes.
+# held in sections 26-27).  The next device session sets this True (and the pin in test_dispatcher_swept_knobs),
+# runs final_gpu.sh, and keeps it if that passes; the CPU suite passes with it on (section 31).
 DISPATCH_SWEPT_KNOBS = False
 
 
