@@ -119,9 +119,9 @@ class ScanConfig:
     scan_prefetch: the state scans issue each step's loads one step ahead (held in registers across the
     step's products), so their latency hides under the previous step's work.
     end_scan_prefetch: the same for the end-state pass of the two-pass schedule alone (``segment_end_states``).
-    Where that pass has at most one program an SM's worth of slots (N256, N128_P128 at two segments: 128 / 256
-    programs) its extra registers cost no residency, while in the storing pass they do (section 22: prefetch in both
-    passes, N256 829 -> 979 us); untimed, off by default (docs/optimization.md section 31).
+    Where that pass has few programs (N256, N128_P128 at two segments: 128 / 256, one or two an SM) its extra
+    registers cost no residency, while in the storing pass they do (section 22: prefetch in both passes, N256
+    829 -> 979 us); untimed, off by default (docs/optimization.md section 31).
     scan_skip_unrotated: state-scan programs whose N/2 tile lies wholly past the rotary dims (n >= RD = N/4 in
     each half: the upper tiles where block_half <= RD, e.g. N = 256 at 64, N = 128 at 32) branch around the
     rotation math.  Statically 12-18% of the loop's SASS is skipped for those programs (docs/optimization.md
