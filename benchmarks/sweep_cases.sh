@@ -16,6 +16,10 @@ import glob, json, os
 for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
     for r in json.load(open(f))["records"]:
         c = r["config"]
+        # a kernel launched more than once a call (the two-pass scans): each launch's us in call order
+        launches = {}
+        for name, us in r.get("launches_us") or ():
+            launches.setdefault(name[1:12], []).append(str(round(us)))
         stage = ("scan-gate" if c.get("gate_in_scan") else "split") if c["split_gate"] else "fused"
         print(r["case"], stage, "local" if c["local_states"] else "two",
               c["out_num_warps"], c["out_block_p"], c["out_max_registers"], c.get("gate_tokens"), "dg" if c.get("d_in_gate") else "-",
@@ -25,8 +29,5 @@ for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
                                    "scan_prefetch") if c.get(k)) or "-",
               round(r["graph_ms"] * 1e3),
               {k[1:12]: round(v) for k, v in r["breakdown_us"].items() if v > 3},
-              # a kernel launched more than once a call (the two-pass scans): each launch's us in call order
-              {name[1:12]: "+".join(str(round(us)) for n, us in r.get("launches_us") or () if n == name)
-               for name in {n for n, _ in r.get("launches_us") or ()}
-               if sum(n == name for n, _ in r["launches_us"]) > 1} or "")
+              {name: "+".join(times) for name, times in launches.items() if len(times) > 1} or "")
 PY

@@ -21,6 +21,10 @@ export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's k
 # default, so that one final_gpu.sh run can follow with all the winners set.
 HALF_ROTATION="d_in_gate=1,d_in_gate=1+scan_half_rotation=1,d_in_gate=1+out_half_rotation=1,\
 d_in_gate=1+scan_half_rotation=1+out_half_rotation=1"
+# q and k rotated in bf16 in both stages (section 29), and that with the rest of the swept rule of section 30 (the D skip
+# in the gate, chunk_scan's low-register order); a group adds chunk_scan's register cap.
+BF16_ROTATION="scan_half_rotation=1+out_half_rotation=1"
+SWEPT_RULE="$BF16_ROTATION+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1"
 case "${PART:-1}" in
   1)
     # q's and k's bias add and rotation in bf16, two elements a register (section 29): the state scan's step -16% /
@@ -33,7 +37,7 @@ case "${PART:-1}" in
       --json "$OUT/half_rotation_margins/margins.json" 2>&1 | tail -n 12
     sweep half_rotation CASES="N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 N64_P128_R4_C16" KNOBS="$HALF_ROTATION"
     sweep half_rotation_cap CASES="N128_P64_R4_C16 N128_P64_R8_C8" \
-      KNOBS="scan_half_rotation=1+out_half_rotation=1+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1+out_max_registers=128:168"
+      KNOBS="$SWEPT_RULE+out_max_registers=128:168"
     ;;
   2)
     sweep half_rotation_rest CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 \
@@ -93,19 +97,19 @@ case "${PART:-1}" in
     # tiles at 8 warps: k~ rotated once for all of P, two programs an SM, one wave (statically -17 / -24% of the
     # instructions a step).
     sweep two_pass_prefetch CASES="N256_P64_R4_C8 N128_P128_R4_C8" \
-      KNOBS="end_scan_prefetch=1,end_scan_prefetch=1+scan_half_rotation=1+out_half_rotation=1"
+      KNOBS="end_scan_prefetch=1,end_scan_prefetch=1+$BF16_ROTATION"
     sweep two_pass_wide_p CASES="N128_P128_R4_C8" \
-      KNOBS="block_p=128+num_warps=8+n_segments=2:4,block_p=128+num_warps=8+end_scan_prefetch=0:1+scan_half_rotation=1+out_half_rotation=1"
+      KNOBS="block_p=128+num_warps=8+n_segments=2:4,block_p=128+num_warps=8+end_scan_prefetch=0:1+$BF16_ROTATION"
     # N64_P128's local-state scan the same way: [2 x 32, 128] tiles at 8 warps, one program an SM (8 warps, as today's
     # two 4-warp programs loading ahead), the same steps at 2 segments, 30-34% fewer instructions a (b, h) and step.
     sweep local_wide_p CASES="N64_P128_R4_C16" \
-      KNOBS="block_p=128+num_warps=8+scan_prefetch=0:1,block_p=128+num_warps=8+scan_prefetch=1+scan_half_rotation=1+out_half_rotation=1"
+      KNOBS="block_p=128+num_warps=8+scan_prefetch=0:1,block_p=128+num_warps=8+scan_prefetch=1+$BF16_ROTATION"
     # The local-state scans of N = 128 at 8 warps loading a step ahead (184 registers in fp32, 211 in bf16: one program
     # an SM, the same 8 warps an SM as today's two 4-warp programs) over 2 segments (one wave of 128 programs): a
     # shorter step, twice the steps, and chunk_scan's entry fix-up on half the chunks instead of three quarters (-1/3
     # of its 28 / 89 us at R4_C16 / R8_C8, section 24).
     sweep local_8_warps_prefetch CASES="N128_P64_R4_C16 N128_P64_R8_C8" \
-      KNOBS="num_warps=8+scan_prefetch=1+n_segments=2:4,num_warps=8+scan_prefetch=1+n_segments=2+scan_half_rotation=1+out_half_rotation=1+d_in_gate=1+out_q_cast_early=1+out_y_state_early=1+out_max_registers=128"
+      KNOBS="num_warps=8+scan_prefetch=1+n_segments=2:4,num_warps=8+scan_prefetch=1+n_segments=2+$SWEPT_RULE+out_max_registers=128"
     ;;
   8)
     # Why the two-pass scans lose in bf16 (section 30: N256's state scans 383 -> 476 us, N128_P128's 411 -> 433,
