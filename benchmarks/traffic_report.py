@@ -3,6 +3,7 @@
     python benchmarks/traffic_report.py                              # official grid, Z on, dispatcher configs
     python benchmarks/traffic_report.py --cases N128_P64_R4_C16 --config d_in_gate=1 --no-z
     python benchmarks/traffic_report.py --breakdown benchmarks/results/<sweep or breakdown>.json
+    python benchmarks/traffic_report.py --cases N256_P64_R4_C8 --tensors     # and each kernel's tensors
 
 The launches of one bf16 call are captured as ``aot_report.py`` captures them (uninitialized CPU tensors,
 nothing runs), and each launch's tensor arguments are counted once each, deduplicated by view (the host
@@ -35,32 +36,37 @@ SHAPE = dict(B=4, S=2048, H=16, G=1)
 COPY_TBS = 4.27  # the anchor file's copy bandwidth (read + write) on the H200
 
 
-def launch_bytes(name, args, kwargs):
-    """Bytes of the distinct tensors one launch takes, plus the local-state rewrite of ``states``."""
-    seen = {}
-    for arg in args:
-        if torch.is_tensor(arg):  # by view, not storage: cos / sin (and gamma / trap_scale) share one allocation
-            seen.setdefault((arg.data_ptr(), arg.numel(), arg.dtype), arg.numel() * arg.element_size())
-    total = sum(seen.values())
+def launch_tensors(name, args, kwargs):
+    """{argument name: bytes} of the distinct tensors one launch takes, plus the local-state rewrite of ``states``
+    (as ``states_ptr (rewrite)``)."""
+    named = dict(zip(aot_report.KERNELS[name].arg_names, args))
+    seen, tensors = set(), {}
+    for arg_name, arg in named.items():
+        # By view, not storage: cos / sin (and gamma / trap_scale) share one allocation.
+        if torch.is_tensor(arg) and (arg.data_ptr(), arg.numel(), arg.dtype) not in seen:
+            seen.add((arg.data_ptr(), arg.numel(), arg.dtype))
+            tensors[arg_name] = arg.numel() * arg.element_size()
     if kwargs.get("ADD_ENTRY"):  # the output stages with local states
-        named = dict(zip(aot_report.KERNELS[name].arg_names, args))
         states, n_segments = named["states_ptr"], named["N_SEGMENTS"]
-        total += states.numel() * states.element_size() * (n_segments - 1) // n_segments
-    return total
+        tensors["states_ptr (rewrite)"] = states.numel() * states.element_size() * (n_segments - 1) // n_segments
+    return tensors
 
 
 def case_traffic(case, overrides, has_z):
-    """{kernel name: bytes} summed over the launches of one call, the HBM floor in bytes, and the config."""
+    """{kernel name: bytes} summed over the launches of one call, {(kernel name, argument name): bytes} likewise,
+    the HBM floor in bytes, and the config."""
     shape = parse_case(case)
     config = dataclasses.replace(choose_config(num_sms=132, has_z=has_z, B=SHAPE["B"], H=SHAPE["H"], S=SHAPE["S"],
                                                **shape), **overrides)
     inputs = aot_report.empty_inputs(dtype=torch.bfloat16, z=has_z, **SHAPE, **shape)
     launches = aot_report.capture_launches(
         lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
-    per_kernel = collections.Counter()
+    per_kernel, per_tensor = collections.Counter(), collections.Counter()
     for name, args, kwargs in launches:
-        per_kernel[name] += launch_bytes(name, args, kwargs)
-    return per_kernel, hbm_floor_bytes(inputs, has_z, torch.bfloat16), config
+        for arg_name, nbytes in launch_tensors(name, args, kwargs).items():
+            per_kernel[name] += nbytes
+            per_tensor[name, arg_name] += nbytes
+    return per_kernel, per_tensor, hbm_floor_bytes(inputs, has_z, torch.bfloat16), config
 
 
 def same_config(recorded, config):
@@ -70,9 +76,16 @@ def same_config(recorded, config):
                for field in dataclasses.fields(config))
 
 
+def json_records(data):
+    """The records of a bench / sweep JSON, or of a merged one whose ``groups`` map names to record lists."""
+    if "records" in data:
+        return data["records"]
+    return [record for records in data["groups"].values() for record in records]
+
+
 def measured_times(path, case, config):
     """breakdown_us of the record of ``case`` run with ``config`` in a bench / sweep JSON (None if absent)."""
-    for record in json.load(open(path))["records"]:
+    for record in json_records(json.load(open(path))):
         if record.get("case") == case and record.get("breakdown_us") and same_config(record.get("config", {}), config):
             return {name.strip("_").removesuffix("_kernel"): us for name, us in record["breakdown_us"].items()}
     return None
@@ -84,17 +97,23 @@ def main(argv=None):
     parser.add_argument("--config", default="", help="ScanConfig fields key=value,... replacing the dispatcher's")
     parser.add_argument("--no-z", action="store_true")
     parser.add_argument("--breakdown", help="a JSON with breakdown_us records (bench --breakdown, sweep_cases.sh)")
+    parser.add_argument("--tensors", action="store_true", help="also each kernel's tensors of 1 MB or more")
     args = parser.parse_args(argv)
     overrides = aot_report.parse_config(args.config) if args.config else {}
     aot_report.compile_as_cuda()
     print(f"{'case':<17} {'kernel':<16} {'MB':>7} {'us':>7} {'TB/s':>6}")
     for case in args.cases:
-        per_kernel, floor, config = case_traffic(case, overrides, not args.no_z)
+        per_kernel, per_tensor, floor, config = case_traffic(case, overrides, not args.no_z)
         times = measured_times(args.breakdown, case, config) if args.breakdown else None
         for name, nbytes in per_kernel.most_common():
             us = times.get(name) if times else None
             rate = f"{nbytes / (us * 1e-6) / 1e12:>6.2f}" if us else f"{'':>6}"
             print(f"{case:<17} {name:<16} {nbytes / 1e6:>7.1f} {us or 0:>7.0f} {rate}")
+            listed = [f"{arg_name.removesuffix('_ptr')} {tensor_bytes / 1e6:.1f}"
+                      for (kernel, arg_name), tensor_bytes in per_tensor.most_common()
+                      if kernel == name and tensor_bytes >= 1e6]
+            if args.tensors and listed:
+                print("    " + "  ".join(listed))
         total = sum(per_kernel.values())
         print(f"{case:<17} {'all kernels':<16} {total / 1e6:>7.1f}   = {total / floor:.2f}x the floor's "
               f"{floor / 1e6:.0f} MB; at {COPY_TBS} TB/s {total / COPY_TBS / 1e6:.0f} us against the floor's "
