@@ -3,7 +3,7 @@
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7|8 bash benchmarks/sweep_prepared.sh
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7|8|9 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -122,8 +122,16 @@ case "${PART:-1}" in
         CASE_TIMEOUT=150 bash benchmarks/ncu_profile.sh
     done
     ;;
+  9)
+    # The state scan with its loads as TMA boxes through a shared-memory ring (benchmarks/tma_scan_probe.py, section 32):
+    # chunk_local_states against the probe at 1-3 stages (and Triton's warp specialization, which for this loop compiles
+    # to nothing or fails), values checked, on N256's two-pass tiles (194 registers pipelined, no spill, one 8-warp
+    # program an SM as today) and two local-state shapes.  One to two minutes.
+    mkdir -p "$OUT/tma_scan_probe"
+    timeout 400 python3 benchmarks/tma_scan_probe.py --json "$OUT/tma_scan_probe/probe.json" 2>&1 | tail -n 12
+    ;;
   *)
-    echo "PART must be 1 to 8" >&2
+    echo "PART must be 1 to 9" >&2
     exit 2
     ;;
 esac
