@@ -123,10 +123,10 @@ case "${PART:-1}" in
     done
     ;;
   9)
-    # The state scan with its loads as TMA boxes through a shared-memory ring (benchmarks/tma_scan_probe.py, section 32):
-    # chunk_local_states against the probe at 1-3 stages (and Triton's warp specialization, which for this loop compiles
-    # to nothing or fails), values checked, on N256's two-pass tiles (194 registers pipelined, no spill, one 8-warp
-    # program an SM as today) and two local-state shapes.  One to two minutes.
+    # Optional, last: the state scan with its loads as TMA boxes through a shared-memory ring (benchmarks/tma_scan_probe.py,
+    # section 32): chunk_local_states against the probe at 1-3 stages (Triton's warp specialization compiles to nothing
+    # or fails for this loop), values checked, on N256's two-pass tiles and two local-state shapes.  Statically it
+    # should lose (1.2-2.4x the loop's instructions, more registers); this confirms it in one to two minutes.
     mkdir -p "$OUT/tma_scan_probe"
     timeout 400 python3 benchmarks/tma_scan_probe.py --json "$OUT/tma_scan_probe/probe.json" 2>&1 | tail -n 12
     ;;

@@ -10,6 +10,14 @@ step's tiles arrive as TMA boxes through a shared-memory ring (``num_stages``), 
 streams them while the other warps compute (``warp_specialize``; Triton 3.6 compiles both for sm_90 only with
 descriptor loads)?  ``chunk_local_states`` gathers its rows with 64-bit pointer tiles and masks instead.
 
+What it showed without a GPU (``--compile-only``; benchmarks/results/2026-12-05_tma_scan_probe_static_141f46d.log):
+Triton 3.6 does not partition this loop into producer and consumer warps (``warp_specialize`` fails to compile at
+N = 128 and elsewhere gives the plain loop: no ``setmaxnreg`` in the PTX), and the descriptor loads put the tiles in
+layouts the rest of the step converts through shared memory: the chunk loop is 1.2-2.4x the instructions of
+``chunk_local_states``' (N256 tiles: 711-823 against 333) at more registers (159-194 against 113: one 8-warp program
+an SM instead of two).  The prediction for the GPU is that it loses everywhere but perhaps N16; the timing
+(``sweep_prepared.sh`` part 9) would confirm it for a minute of device time.
+
 The kernel computes what ``chunk_local_states`` computes with one chunk a step and the fp32 rotation, for shapes
 whose chunk rows form boxes: C and R powers of two, P a multiple of the P tile, N/2 a multiple of the N/2 tile.
 A chunk's (token, rank) rows of k are consecutive rows of k viewed as [B, S * R, G * N]; its tokens' cos / sin
