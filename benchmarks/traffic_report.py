@@ -4,6 +4,7 @@
     python benchmarks/traffic_report.py --cases N128_P64_R4_C16 --config d_in_gate=1 --no-z
     python benchmarks/traffic_report.py --breakdown benchmarks/results/<sweep or breakdown>.json
     python benchmarks/traffic_report.py --cases N256_P64_R4_C8 --tensors     # and each kernel's tensors
+    python benchmarks/traffic_report.py --ceiling 4.27,3,2                     # the speedup the bytes alone allow
 
 The launches of one bf16 call are captured as ``aot_report.py`` captures them (uninitialized CPU tensors,
 nothing runs), and each launch's tensor arguments are counted once each, deduplicated by view (the host
@@ -19,6 +20,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import aot_report  # noqa: E402
 from mamba3_mimo import api  # noqa: E402
-from mamba3_mimo.bench import OFFICIAL_CASES, hbm_floor_bytes, parse_case  # noqa: E402
+from mamba3_mimo.bench import OFFICIAL_CASES, TILELANG_US, hbm_floor_bytes, parse_case  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 SHAPE = dict(B=4, S=2048, H=16, G=1)
@@ -91,6 +93,28 @@ def measured_times(path, case, config):
     return None
 
 
+def print_ceiling(cases, overrides, has_z, rates):
+    """Per case and geometric mean: TileLang's time over the time the design's bytes (and the floor's) take at each
+    rate in TB/s.  A bound from bytes alone: latency, instructions and launches only lower it."""
+    column = 1 if not has_z else 0
+    header = "  ".join(f"{'@' + format(rate, 'g') + ' TB/s':>11}" for rate in rates)
+    print(f"{'case':<17} {'TileLang us':>11} {'design MB':>9} {'floor MB':>8}  {header}  (x TileLang; floor)")
+    logs = collections.defaultdict(float)
+    for case in cases:
+        per_kernel, _, floor, _ = case_traffic(case, overrides, has_z)
+        design = sum(per_kernel.values())
+        tilelang = TILELANG_US[case][column]
+        cells = []
+        for rate in rates:
+            design_x, floor_x = tilelang / (design / rate / 1e6), tilelang / (floor / rate / 1e6)
+            logs[rate] += math.log(design_x) / len(cases)
+            logs["floor", rate] += math.log(floor_x) / len(cases)
+            cells.append(f"{design_x:>5.2f}; {floor_x:>4.1f}")
+        print(f"{case:<17} {tilelang:>11} {design / 1e6:>9.0f} {floor / 1e6:>8.0f}  " + "  ".join(cells))
+    geomeans = "  ".join(f"{math.exp(logs[rate]):>5.2f}; {math.exp(logs['floor', rate]):>4.1f}" for rate in rates)
+    print(f"{'geometric mean':<48}  {geomeans}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(OFFICIAL_CASES))
@@ -98,9 +122,13 @@ def main(argv=None):
     parser.add_argument("--no-z", action="store_true")
     parser.add_argument("--breakdown", help="a JSON with breakdown_us records (bench --breakdown, sweep_cases.sh)")
     parser.add_argument("--tensors", action="store_true", help="also each kernel's tensors of 1 MB or more")
+    parser.add_argument("--ceiling", help="TB/s,...: instead of the table, the speedup over the anchor's TileLang "
+                        "times if every kernel moved the design's bytes at each rate and did nothing else")
     args = parser.parse_args(argv)
     overrides = aot_report.parse_config(args.config) if args.config else {}
     aot_report.compile_as_cuda()
+    if args.ceiling:
+        return print_ceiling(args.cases, overrides, not args.no_z, [float(x) for x in args.ceiling.split(",")])
     print(f"{'case':<17} {'kernel':<16} {'MB':>7} {'us':>7} {'TB/s':>6}")
     for case in args.cases:
         per_kernel, per_tensor, floor, config = case_traffic(case, overrides, not args.no_z)
