@@ -126,7 +126,7 @@ case "${PART:-1}" in
     # Optional, last: the state scan with its loads as TMA boxes through a shared-memory ring (benchmarks/tma_scan_probe.py,
     # section 32): chunk_local_states against the probe at 1-3 stages (Triton's warp specialization compiles to nothing
     # or fails for this loop), values checked, on N256's two-pass tiles and two local-state shapes.  Statically it
-    # should lose (1.2-2.4x the loop's instructions, more registers); this confirms it in one to two minutes.
+    # should lose (1.2-2.5x the loop's instructions, more registers); this confirms it in one to two minutes.
     mkdir -p "$OUT/tma_scan_probe"
     timeout 400 python3 benchmarks/tma_scan_probe.py --json "$OUT/tma_scan_probe/probe.json" 2>&1 | tail -n 12
     ;;

@@ -7,13 +7,13 @@
 Not a production kernel.  It answers one question before a rewrite is worth starting (docs/optimization.md
 section 32): do the state scans, which run at 28-35% of their issue rate and wait on their loads, gain when a
 step's tiles arrive as TMA boxes through a shared-memory ring (``num_stages``), or from a producer warp that
-streams them while the other warps compute (``warp_specialize``; Triton 3.6 compiles both for sm_90 only with
-descriptor loads)?  ``chunk_local_states`` gathers its rows with 64-bit pointer tiles and masks instead.
+streams them while the other warps compute (``warp_specialize``, which Triton applies on Hopper to loops of
+descriptor loads only)?  ``chunk_local_states`` gathers its rows with 64-bit pointer tiles and masks instead.
 
 What it showed without a GPU (``--compile-only``; benchmarks/results/2026-12-05_tma_scan_probe_static_141f46d.log):
 Triton 3.6 does not partition this loop into producer and consumer warps (``warp_specialize`` fails to compile at
 N = 128 and elsewhere gives the plain loop: no ``setmaxnreg`` in the PTX), and the descriptor loads put the tiles in
-layouts the rest of the step converts through shared memory: the chunk loop is 1.2-2.4x the instructions of
+layouts the rest of the step converts through shared memory: the chunk loop is 1.2-2.5x the instructions of
 ``chunk_local_states``' (N256 tiles: 711-823 against 333) at more registers (159-194 against 113: one 8-warp program
 an SM instead of two).  The prediction for the GPU is that it loses everywhere but perhaps N16; the timing
 (``sweep_prepared.sh`` part 9) would confirm it for a minute of device time.
