@@ -1,7 +1,7 @@
 """Probe: the local-state scan with its loads as TMA tensor-descriptor boxes, with and without warp specialization.
 
     python benchmarks/tma_scan_probe.py                    # GPU: time against chunk_local_states, check the states
-    python benchmarks/tma_scan_probe.py --compile-only     # no GPU: registers and shared memory for sm_90
+    python benchmarks/tma_scan_probe.py --compile-only     # no GPU: resources and loop SASS for sm_90
     TRITON_INTERPRET=1 python benchmarks/tma_scan_probe.py --small    # CPU: the values only
 
 Not a production kernel.  It answers one question before a rewrite is worth starting (docs/optimization.md
@@ -25,6 +25,7 @@ and v rows are boxes of [B, S, H * RD] and [B, S, H * P] (rows past S read as ze
 """
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -219,32 +220,50 @@ def check_small(device="cpu"):
     return errors
 
 
+def loop_summary(kernel):
+    """Resources of a compiled kernel, its chunk loop's SASS instruction count and the loop's loads, shared-memory
+    traffic and barriers, and whether its PTX has a warp-specialized register split (``setmaxnreg``)."""
+    import aot_report
+    import sass_report
+
+    loop = sass_report.largest_loop(sass_report.sass_ops(kernel)) or []
+    opcodes = collections.Counter(op.split(".")[0] for op in loop)
+    return dict(**aot_report.resources(kernel), loop=len(loop),
+                **{op: opcodes[op] for op in ("LDG", "UTMALDG", "LDS", "STS", "BAR")},
+                setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"))
+
+
 def compile_report(case):
-    """Registers, spill and shared memory of each variant on an official shape, compiled for sm_90."""
+    """Each variant on an official shape compiled for sm_90 (``loop_summary``), after the production scan that
+    stores ``states`` there (the storing pass of two-pass shapes; with its register cap, where the probe has none)."""
     import aot_report
     from triton.compiler import ASTSource
 
+    aot_report.compile_as_cuda()  # the production launches are captured from CPU tensors, as aot_report does
     shape = parse_case(case)
     config = choose_config(B=4, H=16, S=2048, num_sms=132, has_z=True, **shape)
+    rows = []
+    for name, args, kwargs in aot_report.official_launches(case):
+        if name == "state_scan" and kwargs["STORE_STATES"]:
+            rows.append(dict(case=case, kernel="production",
+                             **loop_summary(aot_report.compile_launch(name, args, kwargs))))
     signature = {name: "*bf16" for name in ("k_ptr", "v_ptr", "states_ptr")}
     signature.update({name: "*fp16" for name in ("cos_ptr", "sin_ptr")})
     signature.update({name: "*fp32" for name in ("k_bias_ptr", "psi_ptr", "da_cs_ptr", "da_rev_ptr",
                                                  "trap_scale_ptr", "seg_state_ptr")})
     signature.update({name: "i32" for name in ("B", "S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
-    rows = []
     for num_stages, warp_specialize in VARIANTS:
         constants = dict(C=shape["chunk_size"], R=shape["R"], N=shape["N"], P=shape["P"], RD=shape["N"] // 4,
                          BLOCK_HALF=config.block_half, BLOCK_P=config.block_p, DOT_DTYPE=tl.bfloat16,
                          DOT_PRECISION="ieee", NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize)
         source = ASTSource(_tma_local_scan_kernel, dict(signature, **{name: "constexpr" for name in constants}),
                            constexprs=constants)
+        row = dict(case=case, kernel="probe", num_stages=num_stages, warp_specialize=warp_specialize)
         try:
             kernel = triton.compile(source, target=aot_report.TARGET, options=dict(num_warps=config.num_warps))
-            rows.append(dict(case=case, num_stages=num_stages, warp_specialize=warp_specialize,
-                             **aot_report.resources(kernel)))
+            rows.append(dict(row, **loop_summary(kernel)))
         except Exception as error:  # a variant Triton cannot compile is a finding, not a crash
-            rows.append(dict(case=case, num_stages=num_stages, warp_specialize=warp_specialize,
-                             error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
+            rows.append(dict(row, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
     return config, rows
 
 
