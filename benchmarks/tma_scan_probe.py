@@ -10,7 +10,7 @@ step's tiles arrive as TMA boxes through a shared-memory ring (``num_stages``), 
 streams them while the other warps compute (``warp_specialize``, which Triton applies on Hopper to loops of
 descriptor loads only)?  ``chunk_local_states`` gathers its rows with 64-bit pointer tiles and masks instead.
 
-What it showed without a GPU (``--compile-only``; benchmarks/results/2026-12-05_tma_scan_probe_static_141f46d.log):
+What it showed without a GPU (``--compile-only``; benchmarks/results/2026-12-05_tma_scan_probe_static_c7b3ba2.log):
 Triton 3.6 does not partition this loop into producer and consumer warps (``warp_specialize`` fails to compile at
 N = 128 and elsewhere gives the plain loop: no ``setmaxnreg`` in the PTX), and the descriptor loads put the tiles in
 layouts the rest of the step converts through shared memory: the chunk loop is 1.2-2.5x the instructions of
