@@ -1,0 +1,603 @@
+"""Probe: the local-state scan as a warp-specialized Gluon kernel (TMA producer warp, wgmma consumer warpgroup).
+
+    python benchmarks/gluon_scan_probe.py --compile-only   # no GPU: resources, register split, chunk-loop SASS
+    python benchmarks/gluon_scan_probe.py                  # Hopper GPU: check against chunk_local_states, time both
+
+Not a production kernel.  It asks whether the route docs/optimization.md section 32 left open reaches the state
+scans: Triton's ``tl`` gave no producer / consumer split (``tma_scan_probe.py``), and the scans wait on their loads
+(28-35% of their issue rate, section 31).  Gluon (``triton.experimental.gluon``, in Triton 3.6) states the split
+itself:
+
+- a 1-warp producer partition (40 registers) streams each chunk's tiles into a ring of ``num_buffers`` shared-memory
+  stages with TMA: k as two [R, C, N/2] boxes (k viewed as [R, B * S, G * N], so a chunk's rows land rank-major and
+  every rank's [C, N/2] block shares its tokens' tiles), cos / sin as [C, N/2] boxes, v as a [C, P tile] box and the
+  three per-token vectors (da_cs_rev, trap_scale, da_cs) as [C] boxes;
+- the 4-warp consumer partition (the default one, up to 232 registers) rotates k, weighs v, writes the update's two
+  operands to shared memory, stores the entering state through shared memory with an asynchronous TMA store, and
+  runs ``state = decay * state + k~^T @ psiv`` as two wgmma (one per N/2 half, [N/2, P tile] fp32 accumulators).
+
+It computes what ``chunk_local_states`` computes (bf16 activations and states, fp16 rotation tables, the fp32
+rotation, one chunk a step), for the shapes its boxes cover: N = 128 (N/2 = 64: one 128-byte swizzled box row),
+P a multiple of the P tile (32, 64 or 128), C * R a multiple of 16 and at most 256, C a multiple of 8, and S a
+multiple of C (the API pads every call to whole chunks, so boxes never cross a sequence end).  Six of the eleven
+official shapes qualify.  Gluon kernels do not run in the Triton interpreter: the value check runs on a Hopper GPU
+only (``tests/test_gluon_scan_probe.py``); on the CPU the test compiles the kernel for sm_90 and checks its
+partitioning and its shared memory.
+"""
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import re
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tma_scan_probe import max_relative_error, scan_arguments  # noqa: E402
+
+from mamba3_mimo.bench import parse_case  # noqa: E402
+from mamba3_mimo.inputs import make_inputs  # noqa: E402
+from mamba3_mimo.ops.chunk_state import chunk_local_states  # noqa: E402
+from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
+from mamba3_mimo.ops.production import choose_config  # noqa: E402
+
+SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
+
+PRODUCER_REGISTERS = gl.constexpr(40)
+
+
+@gluon.constexpr_function
+def _rows_layout(cols, num_warps):
+    """[rows, cols] elementwise tiles: a warp's lanes across the columns, the warps down the rows."""
+    lanes = min(32, cols)
+    return gl.BlockedLayout([1, max(1, cols // 32)], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _state_layout(block_p, num_warps):
+    """The wgmma accumulator of one [N/2, P tile] state half."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_p, 16])
+
+
+@gluon.jit
+def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
+              k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
+              ready, empty, b, h, g, bh, t_first, p0, S, n_steps,
+              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr):
+    HALF: gl.constexpr = N // 2
+    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
+                                + v_desc.block_type.nbytes + da_rev_desc.block_type.nbytes
+                                + trap_scale_desc.block_type.nbytes + da_cs_desc.block_type.nbytes)
+    for i in range(n_steps):
+        stage = i % NUM_BUFFERS
+        # A fresh mbarrier counts as having completed phase 1, so the first pass through the ring does not wait.
+        mbarrier.wait(empty.index(stage), ((i // NUM_BUFFERS) & 1) ^ 1)
+        row = b * S + t_first + i * C
+        bar = ready.index(stage)
+        mbarrier.expect(bar, STEP_BYTES)
+        tma.async_copy_global_to_shared(k_desc, [0, row, g * N], bar, k_lo_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF], bar, k_hi_bufs.index(stage))
+        tma.async_copy_global_to_shared(cos_desc, [row, h * RD], bar, cos_bufs.index(stage))
+        tma.async_copy_global_to_shared(sin_desc, [row, h * RD], bar, sin_bufs.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
+        tma.async_copy_global_to_shared(da_rev_desc, [bh * S + t_first + i * C], bar, da_rev_bufs.index(stage))
+        tma.async_copy_global_to_shared(trap_scale_desc, [bh * S + t_first + i * C], bar,
+                                        trap_scale_bufs.index(stage))
+        tma.async_copy_global_to_shared(da_cs_desc, [bh * S + t_first + i * C], bar, da_cs_bufs.index(stage))
+
+
+@gluon.jit
+def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
+              ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
+              psi_smem, states_desc, seg_state_ptr, bh, c_first, p0, NCH, N_SEGMENTS, seg, n_steps,
+              C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
+              BLOCK_P: gl.constexpr, num_warps: gl.constexpr):
+    HALF: gl.constexpr = N // 2
+    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    k_layout: gl.constexpr = _rows_layout(HALF, num_warps)
+    p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
+    acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
+    token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
+    scalar_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+
+    # Columns past RD are not rotated; their boxes hold the next head's angles (zeros past the table's end).
+    rotated = (gl.arange(0, HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
+    state_lo = gl.zeros([HALF, BLOCK_P], gl.float32, acc_layout)
+    state_hi = gl.zeros([HALF, BLOCK_P], gl.float32, acc_layout)
+    for i in range(n_steps):
+        stage = i % NUM_BUFFERS
+        c = c_first + i
+        # The state entering chunk c goes out through shared memory as an asynchronous TMA store; the previous
+        # chunk's store has had a whole step to finish reading its buffers.
+        tma.store_wait(0)
+        out_lo_smem.store(state_lo.to(gl.bfloat16))
+        out_hi_smem.store(state_hi.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N, p0], out_lo_smem)
+        tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF, p0], out_hi_smem)
+
+        mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
+        # da_cs is chunk-local: its value at the chunk's last token is the chunk's whole log decay.
+        decay = gl.exp(gl.sum(da_cs_bufs.index(stage).slice(C - 1, 1).load(scalar_layout), axis=0))
+        weight = gl.exp(da_rev_bufs.index(stage).load(token_layout)) * trap_scale_bufs.index(stage).load(token_layout)
+        cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(gl.float32), 1.0)
+        sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(gl.float32), 0.0)
+        v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
+        k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, HALF])
+        k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, HALF])
+        for r in gl.static_range(R):
+            k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_lo_smem.index(r).load(
+                gl.SliceLayout(0, k_layout))[None, :]
+            k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_hi_smem.index(r).load(
+                gl.SliceLayout(0, k_layout))[None, :]
+            a_lo_smem.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
+            a_hi_smem.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
+            psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))
+            psiv_smem.slice(r * C, C).store((v_weighted * psi[None, :]).to(gl.bfloat16))
+        # Orders this partition's shared-memory reads and writes before the producer's next TMA into the stage and
+        # before the wgmma reads of the operands.
+        fence_async_shared()
+        mbarrier.arrive(empty.index(stage), count=1)
+        state_lo = warpgroup_mma(a_lo_smem.permute((1, 0)), psiv_smem, state_lo * decay, is_async=True)
+        state_hi = warpgroup_mma(a_hi_smem.permute((1, 0)), psiv_smem, state_hi * decay, is_async=True)
+        state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
+    tma.store_wait(0)
+
+    # The segment's end state, fp32; the last segment's is never read.
+    rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
+    cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
+    end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P + rows[:, None] * P + cols[None, :]
+    end_mask = (rows[:, None] < HALF) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
+    gl.store(end_state, state_lo, mask=end_mask)
+    gl.store(end_state + HALF * P, state_hi, mask=end_mask)
+
+
+@gluon.jit
+def _gluon_local_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
+                             states_desc, k_bias_ptr, psi_ptr, seg_state_ptr,
+                             S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+                             C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
+                             RD: gl.constexpr, BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                             num_warps: gl.constexpr):
+    HALF: gl.constexpr = N // 2
+    pid_p = gl.program_id(0)
+    seg = gl.program_id(1)
+    bh = gl.program_id(2)
+    b = bh // H
+    h = bh % H
+    g = h // (H // G)
+    p0 = pid_p * BLOCK_P
+    c_first = seg * CHUNKS_PER_SEG
+    n_steps = gl.minimum(CHUNKS_PER_SEG, NCH - c_first)
+
+    k_lo_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
+    k_hi_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
+    cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
+    sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape, sin_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
+    da_rev_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], da_rev_desc.layout)
+    trap_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], trap_scale_desc.layout)
+    da_cs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], da_cs_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    # The update's operands, rows (rank, token): A = k~ per half (read transposed), B = the weighted psiv.
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, HALF], gl.bfloat16)
+    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, HALF], a_layout)
+    a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, HALF], a_layout)
+    psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_P],
+                                          gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_P], gl.bfloat16))
+    out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
+    out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
+
+    # The head's k bias and Psi tile, read once into shared memory: a rank's row is then one shared load a chunk.
+    # Rank-1 layouts: a row of the [R, cols] buffers is indexed out as a vector.
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    bias_lo_smem = gl.allocate_shared_memory(gl.float32, [R, HALF], plain)
+    bias_hi_smem = gl.allocate_shared_memory(gl.float32, [R, HALF], plain)
+    psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], plain)
+    col = gl.arange(0, HALF, row_layout)
+    psi_col = p0 + gl.arange(0, BLOCK_P, row_layout)
+    for r in gl.static_range(R):
+        bias_lo_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + col))
+        bias_hi_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + HALF + col))
+        psi_smem.index(r).store(gl.load(psi_ptr + (h * R + r) * P + psi_col))
+
+    gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
+    gl.warp_specialize([
+        (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
+                     ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem,
+                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, bh, c_first, p0, NCH, N_SEGMENTS, seg,
+                     n_steps, C, R, N, P, RD, BLOCK_P, num_warps)),
+        (_producer, (k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
+                     k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
+                     ready, empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD)),
+    ], [1], [PRODUCER_REGISTERS])
+
+
+def check_shape(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
+    """ValueError unless the probe's boxes cover this problem (see the module docstring)."""
+    C = chunk_size
+    problems = []
+    if N != 128:
+        problems.append(f"N = 128 (one 64-column box a half), got N={N}")
+    if block_p not in (32, 64, 128) or P % block_p:
+        problems.append(f"a P tile of 32, 64 or 128 dividing P, got block_p={block_p}, P={P}")
+    if C % 8 or R & (R - 1) or (C * R) % 16 or C * R > 256:
+        problems.append(f"C a multiple of 8, R a power of two and C * R a multiple of 16 up to 256, got C={C}, R={R}")
+    if S % C:
+        problems.append(f"S a multiple of C (whole chunks, as the API pads them), got S={S}, C={C}")
+    if (H * RD * 2) % 16:
+        problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {H * RD}")
+    if dtypes != (torch.bfloat16, torch.float16, torch.bfloat16):
+        problems.append(f"bf16 activations and states with fp16 tables, got (k, tables, states) = {dtypes}")
+    if problems:
+        raise ValueError("gluon_local_states: needs " + "; ".join(problems))
+
+
+def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, states, chunk_size, block_p):
+    """The kernel's TMA descriptors (host-side, so no program builds one)."""
+    B, S, R, G, N = k.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = cos_angles.shape[3]
+    C, HALF = chunk_size, N // 2
+    nch = states.shape[2]
+
+    def box(tensor, shape, strides, block):
+        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[tensor.dtype]
+        layout = (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1) if len(block) == 1
+                  else gl.NVMMASharedLayout.get_default_for(block, element))
+        return TensorDescriptor(tensor, list(shape), list(strides), list(block), layout)
+
+    vector = dict(shape=[B * H * S], strides=[1], block=[C])
+    return dict(
+        # k viewed as [R, B * S, G * N]: a box is one chunk's rows, rank-major.
+        k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF]),
+        cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
+        sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
+        v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
+        da_rev_desc=box(da_cs_rev, **vector), trap_scale_desc=box(trap_scale, **vector),
+        da_cs_desc=box(da_cs, **vector),
+        states_desc=box(states, [B * H * nch * N, P], [P, 1], [HALF, block_p]),
+    )
+
+
+def gluon_local_states(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states,
+                       chunk_size, n_segments, chunks_per_segment, block_p, num_buffers=None, seg_state=None,
+                       **_unused):
+    """``chunk_local_states`` through ``_gluon_local_scan_kernel``: the same arguments (those it has no use for
+    are ignored) plus ``num_buffers``, the depth of the shared-memory ring (default: the deepest of 1-3 within
+    99 KB, ``ring_depth``), and ``seg_state`` to write into (default: a new one).  Returns seg_state [B, H,
+    n_segments, N, P] fp32 as chunk_local_states does; ``states`` [B, H, nch, N, P] bf16 receives the
+    segment-local states."""
+    B, S, R, G, N = k.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = cos_angles.shape[3]
+    check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
+                dtypes=(k.dtype, cos_angles.dtype, states.dtype))
+    if seg_state is None:
+        seg_state = torch.empty((B, H, n_segments, N, P), device=k.device, dtype=torch.float32)
+    num_buffers = num_buffers or ring_depth(C=chunk_size, R=R, N=N, block_p=block_p)
+    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
+                        trap_scale=trap_scale, states=states, chunk_size=chunk_size, block_p=block_p)
+    # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
+    # producer's 40 leave the consumer warpgroup 232.
+    _gluon_local_scan_kernel[(P // block_p, n_segments, B * H)](
+        **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state,
+        S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
+        C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, num_warps=4, maxnreg=128)
+    return seg_state
+
+
+def shared_bytes(*, C, R, N, block_p, num_buffers):
+    """The probe's shared memory: the ring's stages plus the update's operands, the two state-store buffers and the
+    bias / Psi rows (the compiler adds barriers and alignment: 410-580 bytes more on the official shapes)."""
+    half = N // 2
+    stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2 + 3 * C * 4
+    fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * half * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
+    return fixed + num_buffers * stage
+
+
+def ring_depth(*, C, R, N, block_p):
+    """The deepest ring (1 to 3 stages) whose shared memory stays within the 99 KB bound, with 768 bytes for
+    what the model leaves out."""
+    return max([1] + [depth for depth in (2, 3)
+                      if shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth) + 768 <= SMEM_LIMIT])
+
+
+def compile_for_sm90(case, *, block_p=None, num_buffers=None):
+    """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    shape = parse_case(case)
+    N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
+    block_p = block_p or min(P, 64)
+    num_buffers = num_buffers or ring_depth(C=C, R=R, N=N, block_p=block_p)
+    B, S, H, G = 4, 2048, 16, 1
+    # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
+    base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+    check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=N // 4, chunk_size=C, block_p=block_p,
+                dtypes=(torch.bfloat16, torch.float16, torch.bfloat16))
+    fake = dict(k=_Shaped(base[torch.bfloat16], (B, S, R, G, N)), v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
+                cos_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
+                sin_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
+                da_cs=base[torch.float32], da_cs_rev=base[torch.float32], trap_scale=base[torch.float32],
+                states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
+    found = descriptors(**fake, chunk_size=C, block_p=block_p)
+    signature = {name: mangle_type(desc) for name, desc in found.items()}
+    signature.update({name: "*fp32" for name in ("k_bias_ptr", "psi_ptr", "seg_state_ptr")})
+    signature.update({name: "i32" for name in ("S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
+    constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, num_warps=4)
+    signature.update({name: "constexpr" for name in constants})
+    source = GluonASTSource(_gluon_local_scan_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=128))
+
+
+class _Shaped:
+    """A stand-in with a tensor's dtype, data pointer, shape and contiguous strides (descriptor metadata only)."""
+
+    def __init__(self, tensor, shape):
+        self.dtype, self.shape, self._tensor = tensor.dtype, torch.Size(shape), tensor
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        self._strides = tuple(reversed(strides))
+
+    def data_ptr(self):
+        return self._tensor.data_ptr()
+
+    def stride(self):
+        return self._strides
+
+
+def summary(kernel):
+    """Resources, the register split the PTX asks for, and the consumer's chunk loop in SASS (the innermost loop
+    around the wgmma): its length and its shared-memory traffic, barriers and TMA operations."""
+    import aot_report
+    import sass_report
+
+    ops = sass_report.sass_ops(kernel)
+    loops = []
+    for address, opcode, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            body = [op for a, op, _ in ops if int(target.group(1), 16) <= a <= address]
+            if any(op.startswith("HGMMA") for op in body):
+                loops.append(body)
+    loop = min(loops, key=len) if loops else []
+    opcodes = collections.Counter(op.split(".")[0] for op in loop)
+    ptx = kernel.asm["ptx"]
+    return dict(**aot_report.resources(kernel),
+                setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                loop=len(loop), **{op: opcodes[op] for op in ("LDS", "STS", "STSM", "BAR", "HGMMA", "LDG")})
+
+
+def read_box(desc, coords):
+    """What a TMA load of ``desc`` at ``coords`` puts in shared memory (elements past the tensor's shape read as
+    zeros), read on the host from the descriptor's own base, shape and strides."""
+    view = torch.as_strided(desc.base, desc.shape, desc.strides)
+    box = torch.zeros(desc.block_shape, dtype=desc.base.dtype)
+    inside = tuple(slice(0, max(0, min(size, dim - start))) for size, dim, start in
+                   zip(desc.block_shape, desc.shape, coords))
+    box[inside] = view[tuple(slice(start, start + piece.stop) for start, piece in zip(coords, inside))]
+    return box
+
+
+def emulate(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, chunk_size,
+            n_segments, chunks_per_segment, block_p, **_unused):
+    """The kernel's program, step by step in torch on the host (fp32 products): the boxes its producer asks for
+    (``descriptors`` and the same coordinates), the consumer's rotation, weights and update, the stores.  It checks
+    the descriptors and the index arithmetic on the CPU, where Gluon cannot run; the Gluon code itself is checked on
+    the GPU.  Returns seg_state like ``gluon_local_states``."""
+    B, S, R, G, N = k.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = cos_angles.shape[3]
+    C, HALF, nch = chunk_size, N // 2, states.shape[2]
+    check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=C, block_p=block_p,
+                dtypes=(k.dtype, cos_angles.dtype, states.dtype))
+    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
+                        trap_scale=trap_scale, states=states, chunk_size=C, block_p=block_p)
+    states_rows = torch.as_strided(states, found["states_desc"].shape, found["states_desc"].strides)
+    seg_state = torch.full((B, H, n_segments, N, P), float("nan"))
+    rotated = torch.arange(HALF) < RD
+    for p0, seg, bh in itertools.product(range(0, P, block_p), range(n_segments), range(B * H)):
+        b, h = divmod(bh, H)
+        g = h // (H // G)
+        c_first = seg * chunks_per_segment
+        state = torch.zeros(2, HALF, block_p)
+        for i in range(min(chunks_per_segment, nch - c_first)):
+            row, token = b * S + (c_first + i) * C, bh * S + (c_first + i) * C
+            for half in range(2):
+                rows = (bh * nch + c_first + i) * N + half * HALF
+                states_rows[rows:rows + HALF, p0:p0 + block_p] = state[half].to(states.dtype)
+            k_lo = read_box(found["k_desc"], [0, row, g * N]).float() + k_bias[h, :, None, :HALF]
+            k_hi = read_box(found["k_desc"], [0, row, g * N + HALF]).float() + k_bias[h, :, None, HALF:]
+            cos = torch.where(rotated, read_box(found["cos_desc"], [row, h * RD]).float(), 1.0)
+            sin = torch.where(rotated, read_box(found["sin_desc"], [row, h * RD]).float(), 0.0)
+            weight = (read_box(found["da_rev_desc"], [token]).exp() * read_box(found["trap_scale_desc"], [token]))
+            decay = read_box(found["da_cs_desc"], [token])[C - 1].exp()
+            v_weighted = read_box(found["v_desc"], [row, h * P + p0]).float() * weight[:, None]
+            psiv = (v_weighted[None] * mimo_v[h, :, None, p0:p0 + block_p]).reshape(R * C, block_p)
+            a_lo = (cos * k_lo - sin * k_hi).reshape(R * C, HALF)
+            a_hi = (sin * k_lo + cos * k_hi).reshape(R * C, HALF)
+            state = decay * state + torch.stack([a_lo.T @ psiv, a_hi.T @ psiv])
+        if seg < n_segments - 1:
+            seg_state[b, h, seg, :, p0:p0 + block_p] = state.reshape(N, block_p)
+    return seg_state
+
+
+def production_summary(case):
+    """The production scan that stores ``states`` on an official shape as the dispatcher runs it, compiled for sm_90
+    (``tma_scan_probe.loop_summary``: resources and its chunk loop), for comparison."""
+    import aot_report
+    from tma_scan_probe import loop_summary
+
+    aot_report.compile_as_cuda()  # the launches are captured from CPU tensors, as aot_report does
+    for name, args, kwargs in aot_report.official_launches(case):
+        if name == "state_scan" and kwargs["STORE_STATES"]:
+            return dict(num_warps=kwargs.get("num_warps"), local=bool(kwargs["STORE_END"]),
+                        **loop_summary(aot_report.compile_launch(name, args, kwargs)))
+    return {}
+
+
+def check_case(case, *, seed=0, block_p=None, n_segments=None, num_buffers=None):
+    """max relative error of the probe's states and end states against chunk_local_states' on a GPU (official
+    batch, bf16, the dispatcher's segments unless given)."""
+    inputs, scan = _official_scan(case, seed=seed, block_p=block_p, n_segments=n_segments)
+    shape = (4, 16, cdiv(2048, inputs["chunk_size"]), inputs["k"].shape[-1], inputs["v"].shape[-1])
+    expected = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    expected_end = chunk_local_states(**scan, states=expected, span_chunks=1)
+    got_end = gluon_local_states(**scan, states=got, num_buffers=num_buffers,
+                                 seg_state=torch.full_like(expected_end, float("nan")))
+    return max_relative_error((got, got_end), (expected, expected_end), scan["n_segments"])
+
+
+def check_emulation():
+    """CPU (the interpreter for chunk_local_states): ``emulate`` on a small bf16 problem with two head groups, two P
+    tiles and three segments (the last one shorter), as ``check_small`` does on the GPU."""
+    from mamba3_mimo.accuracy import normwise_error
+    from mamba3_mimo.reference import bwd_fwd_reference
+
+    inputs = make_inputs(B=1, S=256, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5)
+    shape = (1, 4, 256 // 16, 128, 128)
+    errors = {}
+    for n_segments in (3, 1):
+        # fp32 products: the interpreter miscomputes bf16 tl.dot (SPEC section 10).
+        scan = scan_arguments(inputs, n_segments=n_segments, block_half=64, block_p=64, num_warps=4,
+                              dot_dtype=tl.float32, dot_precision="ieee")
+        got = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+        got_end = emulate(**scan, states=got)
+        if n_segments == 1:
+            errors["golden"] = normwise_error(got, bwd_fwd_reference(**inputs)[0])
+        else:
+            expected = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+            expected_end = chunk_local_states(**scan, states=expected, span_chunks=1)
+            errors["local"] = max_relative_error((got, got_end), (expected, expected_end), scan["n_segments"])
+    return errors
+
+
+def check_small(*, num_buffers=None):
+    """GPU, small bf16 problem with two head groups, two P tiles and three segments (the last one shorter):
+    {"local": max relative error against chunk_local_states' states and end states, "golden": the normwise error
+    of the one-segment states against the float64 reference (``bwd_fwd_reference``)}."""
+    from mamba3_mimo.accuracy import normwise_error
+    from mamba3_mimo.reference import bwd_fwd_reference
+
+    inputs = make_inputs(B=2, S=512, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5,
+                         device="cuda")
+    errors = {}
+    for n_segments in (3, 1):
+        scan = scan_arguments(inputs, n_segments=n_segments, block_half=64, block_p=64, num_warps=8,
+                              dot_dtype=tl.bfloat16, dot_precision="ieee")
+        shape = (2, 4, 512 // 16, 128, 128)
+        got = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        got_end = gluon_local_states(**scan, states=got, num_buffers=num_buffers,
+                                     seg_state=torch.full((2, 4, n_segments, 128, 128), float("nan"), device="cuda"))
+        if n_segments == 1:
+            golden = bwd_fwd_reference(**{name: value.cpu() if torch.is_tensor(value) else value
+                                          for name, value in inputs.items()})[0]
+            errors["golden"] = normwise_error(got.cpu(), golden)
+        else:
+            expected = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            expected_end = chunk_local_states(**scan, states=expected, span_chunks=1)
+            errors["local"] = max_relative_error((got, got_end), (expected, expected_end), scan["n_segments"])
+    return errors
+
+
+def _official_scan(case, *, seed, block_p=None, n_segments=None):
+    shape = parse_case(case)
+    config = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           has_z=True, **shape)
+    inputs = make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
+    scan = scan_arguments(inputs, n_segments=n_segments or config.n_segments, block_half=config.block_half,
+                          block_p=block_p or config.block_p, num_warps=config.num_warps, dot_dtype=tl.bfloat16,
+                          dot_precision="ieee")
+    return inputs, scan
+
+
+def time_case(case, reps):
+    """ms of chunk_local_states (the dispatcher's tiles and segments) and of the probe at those segments and at
+    twice as many, with each probe variant's error against chunk_local_states."""
+    inputs, scan = _official_scan(case, seed=0)
+    states = torch.empty((4, 16, cdiv(2048, inputs["chunk_size"]), inputs["k"].shape[-1], inputs["v"].shape[-1]),
+                         device="cuda", dtype=torch.bfloat16)
+    record = dict(case=case, n_segments=scan["n_segments"], block_p=scan["block_p"])
+    record["production_ms"] = triton.testing.do_bench(
+        lambda: chunk_local_states(**scan, states=states, span_chunks=1), rep=reps)
+    for segments in (scan["n_segments"], 2 * scan["n_segments"]):
+        key = f"gluon_seg{segments}"
+        try:
+            record[key + "_error"] = check_case(case, n_segments=segments)
+            _, probe_scan = _official_scan(case, seed=0, n_segments=segments)
+            record[key + "_ms"] = triton.testing.do_bench(
+                lambda: gluon_local_states(**probe_scan, states=states), rep=reps)
+        except Exception as error:  # a variant that fails to launch is a finding, not a crash
+            record[key + "_failed"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return record
+
+
+GLUON_CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P64_R8_C8", "N128_P64_R2_C32",
+               "N128_P64_R1_C64"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=GLUON_CASES)
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--with-production", action="store_true",
+                        help="with --compile-only: also the production scan that stores states, for comparison")
+    parser.add_argument("--reps", type=int, default=200, help="do_bench's rep (ms)")
+    parser.add_argument("--json", help="write the records here")
+    args = parser.parse_args(argv)
+    records = []
+    if not args.compile_only:
+        records.append(dict(case="small", **check_small()))
+        print(records[-1], flush=True)
+    for case in args.cases:
+        if args.compile_only:
+            shape = parse_case(case)
+            block_p = min(shape["P"], 64)
+            depth = ring_depth(C=shape["chunk_size"], R=shape["R"], N=shape["N"], block_p=block_p)
+            record = dict(case=case, block_p=block_p, num_buffers=depth,
+                          shared_model=shared_bytes(C=shape["chunk_size"], R=shape["R"], N=shape["N"],
+                                                    block_p=block_p, num_buffers=depth),
+                          **summary(compile_for_sm90(case, block_p=block_p, num_buffers=depth)))
+            if args.with_production:
+                print(dict(case=case, kernel="production storing scan", **production_summary(case)), flush=True)
+        else:
+            record = time_case(case, args.reps)
+        records.append(record)
+        print(record, flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(records, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
