@@ -3,7 +3,8 @@
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7|8|9 bash benchmarks/sweep_prepared.sh
+# Part 10 (section 33) checks and times the warp-specialized Gluon scan; it goes first among the untimed parts.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7|8|9|10 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -130,8 +131,19 @@ case "${PART:-1}" in
     mkdir -p "$OUT/tma_scan_probe"
     timeout 400 python3 benchmarks/tma_scan_probe.py --json "$OUT/tma_scan_probe/probe.json" 2>&1 | tail -n 12
     ;;
+  10)
+    # The local-state scan as a warp-specialized Gluon kernel (benchmarks/gluon_scan_probe.py, section 33): a TMA
+    # producer warp and a wgmma consumer warpgroup, 0.65-0.9x the production scan's chunk-loop instructions with no
+    # global load in the consumer's loop.  Its values first (against chunk_local_states and the float64 reference,
+    # never run before), then chunk_local_states against the probe on the six N = 128 shapes.  Predicted: 0.4-0.65x
+    # chunk_local_states' time at N128_P64_R4_C16.
+    mkdir -p "$OUT/gluon_scan_probe"
+    timeout 200 python3 -m pytest -q -p no:warnings -rf tests/test_gluon_scan_probe.py 2>&1 | tail -n 8 \
+      | tee "$OUT/gluon_scan_probe/tests.log"
+    timeout 300 python3 benchmarks/gluon_scan_probe.py --json "$OUT/gluon_scan_probe/probe.json" 2>&1 | tail -n 10
+    ;;
   *)
-    echo "PART must be 1 to 9" >&2
+    echo "PART must be 1 to 10" >&2
     exit 2
     ;;
 esac
