@@ -18,7 +18,7 @@ itself:
 
 It computes what ``chunk_local_states`` computes (bf16 activations and states, fp16 rotation tables, the fp32
 rotation, one chunk a step), for the shapes its boxes cover: N = 128 (N/2 = 64: one 128-byte swizzled box row),
-P a multiple of the P tile (32, 64 or 128), C * R a multiple of 16 and at most 256, C a multiple of 8, and S a
+P a multiple of the P tile (32 or 64), C * R a multiple of 16 and at most 256, C a multiple of 8, and S a
 multiple of C (the API pads every call to whole chunks, so boxes never cross a sequence end).  Six of the eleven
 official shapes qualify.  Gluon kernels do not run in the Triton interpreter: the value check runs on a Hopper GPU
 only (``tests/test_gluon_scan_probe.py``); on the CPU the test compiles the kernel for sm_90 and checks its
@@ -243,8 +243,9 @@ def check_shape(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
     problems = []
     if N != 128:
         problems.append(f"N = 128 (one 64-column box a half), got N={N}")
-    if block_p not in (32, 64, 128) or P % block_p:
-        problems.append(f"a P tile of 32, 64 or 128 dividing P, got block_p={block_p}, P={P}")
+    # A swizzled box row is at most 128 bytes: 64 bf16 columns.
+    if block_p not in (32, 64) or P % block_p:
+        problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
     if C % 8 or R & (R - 1) or (C * R) % 16 or C * R > 256:
         problems.append(f"C a multiple of 8, R a power of two and C * R a multiple of 16 up to 256, got C={C}, R={R}")
     if S % C:

@@ -62,6 +62,7 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
 @pytest.mark.parametrize("change, message", [
     (dict(N=64), "N = 128"),
     (dict(P=96), "P tile"),
+    (dict(P=128, block_p=128), "P tile"),
     (dict(R=3), "power of two"),
     (dict(S=2040), "multiple of C"),
     (dict(dtypes=(torch.float32, torch.float32, torch.float32)), "bf16 activations"),
