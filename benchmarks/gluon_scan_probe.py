@@ -107,9 +107,10 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, 
 @gluon.jit
 def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
               ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
-              psi_smem, states_desc, seg_state_ptr, bh, c_first, p0, NCH, N_SEGMENTS, seg, n_steps,
-              C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
-              BLOCK_P: gl.constexpr, num_warps: gl.constexpr):
+              psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+              seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
+              BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr,
+              STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     k_layout: gl.constexpr = _rows_layout(HALF, num_warps)
@@ -120,19 +121,33 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
 
     # Columns past RD are not rotated; their boxes hold the next head's angles (zeros past the table's end).
     rotated = (gl.arange(0, HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
+    rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
+    cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
+    tile = rows[:, None] * P + cols[None, :]
     state_lo = gl.zeros([HALF, BLOCK_P], gl.float32, acc_layout)
     state_hi = gl.zeros([HALF, BLOCK_P], gl.float32, acc_layout)
+    if FOLD_EARLIER:
+        # The storing pass of two: s <- exp(segment log decay) s + end state, over the earlier segments.
+        chunk = gl.arange(0, BLOCK_SEG_CHUNKS, scalar_layout)
+        for earlier in range(0, seg):
+            chunk_ends = (earlier * CHUNKS_PER_SEG + chunk) * C + C - 1
+            segment_decay = gl.exp(gl.sum(gl.load(da_cs_ptr + bh * S + chunk_ends, mask=chunk < CHUNKS_PER_SEG,
+                                                  other=0.0), axis=0))
+            end_state = seg_state_ptr + (bh * N_SEGMENTS + earlier) * N * P + tile
+            state_lo = state_lo * segment_decay + gl.load(end_state)
+            state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         c = c_first + i
-        # The state entering chunk c goes out through shared memory as an asynchronous TMA store; the previous
-        # chunk's store has had a whole step to finish reading its buffers.
-        tma.store_wait(0)
-        out_lo_smem.store(state_lo.to(gl.bfloat16))
-        out_hi_smem.store(state_hi.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N, p0], out_lo_smem)
-        tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF, p0], out_hi_smem)
+        if STORE_STATES:
+            # The state entering chunk c goes out through shared memory as an asynchronous TMA store; the previous
+            # chunk's store has had a whole step to finish reading its buffers.
+            tma.store_wait(0)
+            out_lo_smem.store(state_lo.to(gl.bfloat16))
+            out_hi_smem.store(state_hi.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N, p0], out_lo_smem)
+            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF, p0], out_hi_smem)
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         # da_cs is chunk-local: its value at the chunk's last token is the chunk's whole log decay.
@@ -159,24 +174,26 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
         state_lo = warpgroup_mma(a_lo_smem.permute((1, 0)), psiv_smem, state_lo * decay, is_async=True)
         state_hi = warpgroup_mma(a_hi_smem.permute((1, 0)), psiv_smem, state_hi * decay, is_async=True)
         state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
-    tma.store_wait(0)
-
-    # The segment's end state, fp32; the last segment's is never read.
-    rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
-    cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
-    end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P + rows[:, None] * P + cols[None, :]
-    end_mask = (rows[:, None] < HALF) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
-    gl.store(end_state, state_lo, mask=end_mask)
-    gl.store(end_state + HALF * P, state_hi, mask=end_mask)
+    if STORE_STATES:
+        tma.store_wait(0)
+    if STORE_END:
+        # The segment's end state, fp32; the last segment's is never read.
+        end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P + tile
+        end_mask = (rows[:, None] < HALF) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
+        gl.store(end_state, state_lo, mask=end_mask)
+        gl.store(end_state + HALF * P, state_hi, mask=end_mask)
 
 
 @gluon.jit
-def _gluon_local_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
-                             states_desc, k_bias_ptr, psi_ptr, seg_state_ptr,
-                             S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-                             C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
-                             RD: gl.constexpr, BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                             num_warps: gl.constexpr):
+def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc, states_desc,
+                       k_bias_ptr, psi_ptr, seg_state_ptr, da_cs_ptr,
+                       S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+                       C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
+                       BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
+                       FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """One program scans one segment of one (b, h) for one P tile: the production state scan's three roles, as its
+    ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them (``chunk_state.py``)."""
     HALF: gl.constexpr = N // 2
     pid_p = gl.program_id(0)
     seg = gl.program_id(1)
@@ -229,8 +246,9 @@ def _gluon_local_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, tr
     gl.warp_specialize([
         (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
                      ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem,
-                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, bh, c_first, p0, NCH, N_SEGMENTS, seg,
-                     n_steps, C, R, N, P, RD, BLOCK_P, num_warps)),
+                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, p0, S, NCH,
+                     CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER,
+                     STORE_END, BLOCK_SEG_CHUNKS, num_warps)),
         (_producer, (k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
                      k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
                      ready, empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD)),
@@ -255,7 +273,7 @@ def check_shape(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
     if dtypes != (torch.bfloat16, torch.float16, torch.bfloat16):
         problems.append(f"bf16 activations and states with fp16 tables, got (k, tables, states) = {dtypes}")
     if problems:
-        raise ValueError("gluon_local_states: needs " + "; ".join(problems))
+        raise ValueError("gluon scan probe: needs " + "; ".join(problems))
 
 
 def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, states, chunk_size, block_p):
@@ -265,6 +283,7 @@ def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, s
     RD = cos_angles.shape[3]
     C, HALF = chunk_size, N // 2
     nch = states.shape[2]
+    states_rows = states.shape[0] * states.shape[1] * nch * states.shape[3]
 
     def box(tensor, shape, strides, block):
         element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[tensor.dtype]
@@ -281,55 +300,97 @@ def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, s
         v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
         da_rev_desc=box(da_cs_rev, **vector), trap_scale_desc=box(trap_scale, **vector),
         da_cs_desc=box(da_cs, **vector),
-        states_desc=box(states, [B * H * nch * N, P], [P, 1], [HALF, block_p]),
+        states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [HALF, block_p]),
     )
 
 
-def gluon_local_states(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states,
-                       chunk_size, n_segments, chunks_per_segment, block_p, num_buffers=None, seg_state=None,
-                       **_unused):
-    """``chunk_local_states`` through ``_gluon_local_scan_kernel``: the same arguments (those it has no use for
-    are ignored) plus ``num_buffers``, the depth of the shared-memory ring (default: the deepest of 1-3 within
-    99 KB, ``ring_depth``), and ``seg_state`` to write into (default: a new one).  Returns seg_state [B, H,
-    n_segments, N, P] fp32 as chunk_local_states does; ``states`` [B, H, nch, N, P] bf16 receives the
-    segment-local states."""
+ROLES = {
+    # role: (STORE_STATES, FOLD_EARLIER, STORE_END), as the production wrappers of chunk_state.py set them.
+    "local": (True, False, True),  # chunk_local_states
+    "end": (False, False, True),  # segment_end_states
+    "store": (True, True, False),  # chunk_states
+}
+
+
+def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
+            chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, **_unused):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
-    if seg_state is None:
-        seg_state = torch.empty((B, H, n_segments, N, P), device=k.device, dtype=torch.float32)
-    num_buffers = num_buffers or ring_depth(C=chunk_size, R=R, N=N, block_p=block_p)
+    store_states, fold_earlier, store_end = ROLES[role]
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
                         trap_scale=trap_scale, states=states, chunk_size=chunk_size, block_p=block_p)
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
     # producer's 40 leave the consumer warpgroup 232.
-    _gluon_local_scan_kernel[(P // block_p, n_segments, B * H)](
-        **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state,
+    _gluon_scan_kernel[(P // block_p, segments_launched, B * H)](
+        **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state, da_cs_ptr=da_cs,
         S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
-        C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, num_warps=4, maxnreg=128)
+        C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
+        NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, N=N, block_p=block_p, store_states=store_states),
+        STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
+        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
+
+
+def _segment_scratch(k, v, n_segments):
+    B, _, _, _, N = k.shape
+    return torch.empty((B, v.shape[2], n_segments, N, v.shape[3]), device=k.device, dtype=torch.float32)
+
+
+def gluon_chunk_local_states(*, states, n_segments, seg_state=None, num_buffers=None, **scan):
+    """``chunk_local_states`` through the Gluon kernel: the same arguments (those it has no use for are ignored;
+    one chunk a step) plus ``num_buffers``, the depth of the shared-memory ring (default: the deepest of 1-3 within
+    99 KB, ``ring_depth``), and ``seg_state`` to write into (default: a new one).  ``states`` [B, H, nch, N, P] bf16
+    receives the segment-local states.  Returns seg_state [B, H, n_segments, N, P] fp32 (end states)."""
+    seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
+    _launch(role="local", states=states, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
+            segments_launched=n_segments, **scan)
     return seg_state
 
 
-def shared_bytes(*, C, R, N, block_p, num_buffers):
-    """The probe's shared memory: the ring's stages plus the update's operands, the two state-store buffers and the
-    bias / Psi rows (the compiler adds barriers and alignment: 410-580 bytes more on the official shapes)."""
+def gluon_segment_end_states(*, n_segments, seg_state=None, num_buffers=None, **scan):
+    """``segment_end_states`` through the Gluon kernel (one chunk a step): every segment but the last scanned from
+    zero, its end state written.  Returns seg_state [B, H, n_segments, N, P] fp32, or None with one segment."""
+    if n_segments == 1:
+        return None
+    seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
+    HALF, block_p = scan["k"].shape[-1] // 2, scan["block_p"]
+    # No state is stored: a one-box bf16 tensor stands in for the states descriptor.
+    unused = torch.empty((1, 1, 1, HALF, block_p), device=scan["k"].device, dtype=torch.bfloat16)
+    _launch(role="end", states=unused, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
+            segments_launched=n_segments - 1, **scan)
+    return seg_state
+
+
+def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **scan):
+    """``chunk_states`` through the Gluon kernel: each segment folds the earlier segments' end states (from
+    ``gluon_segment_end_states`` or ``segment_end_states``, None with one segment) and stores the state entering
+    each of its chunks into ``states`` [B, H, nch, N, P] bf16."""
+    _launch(role="store", states=states, seg_state=scan["trap_scale"] if seg_state is None else seg_state,
+            n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
+
+
+def shared_bytes(*, C, R, N, block_p, num_buffers, store_states=True):
+    """The probe's shared memory: the ring's stages plus the update's operands, the bias / Psi rows and, where it
+    stores states, the two state-store buffers (the compiler adds barriers and alignment: 410-580 bytes more on the
+    official shapes)."""
     half = N // 2
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2 + 3 * C * 4
-    fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * half * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
-    return fixed + num_buffers * stage
+    fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
+    return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
 
 
-def ring_depth(*, C, R, N, block_p):
+def ring_depth(*, C, R, N, block_p, store_states=True):
     """The deepest ring (1 to 3 stages) whose shared memory stays within the 99 KB bound, with 768 bytes for
     what the model leaves out."""
-    return max([1] + [depth for depth in (2, 3)
-                      if shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth) + 768 <= SMEM_LIMIT])
+    return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth,
+                                                                store_states=store_states) + 768 <= SMEM_LIMIT])
 
 
-def compile_for_sm90(case, *, block_p=None, num_buffers=None):
-    """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed."""
+def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32):
+    """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
+    needed."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -337,7 +398,7 @@ def compile_for_sm90(case, *, block_p=None, num_buffers=None):
     shape = parse_case(case)
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     block_p = block_p or min(P, 64)
-    num_buffers = num_buffers or ring_depth(C=C, R=R, N=N, block_p=block_p)
+    num_buffers = num_buffers or ring_depth(C=C, R=R, N=N, block_p=block_p, store_states=ROLES[role][0])
     B, S, H, G = 4, 2048, 16, 1
     # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
@@ -350,11 +411,14 @@ def compile_for_sm90(case, *, block_p=None, num_buffers=None):
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
     found = descriptors(**fake, chunk_size=C, block_p=block_p)
     signature = {name: mangle_type(desc) for name, desc in found.items()}
-    signature.update({name: "*fp32" for name in ("k_bias_ptr", "psi_ptr", "seg_state_ptr")})
+    signature.update({name: "*fp32" for name in ("k_bias_ptr", "psi_ptr", "seg_state_ptr", "da_cs_ptr")})
     signature.update({name: "i32" for name in ("S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
-    constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, num_warps=4)
+    store_states, fold_earlier, store_end = ROLES[role]
+    constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
+                     STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
+                     BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4)
     signature.update({name: "constexpr" for name in constants})
-    source = GluonASTSource(_gluon_local_scan_kernel, signature, constants)
+    source = GluonASTSource(_gluon_scan_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=128))
 
 
@@ -409,31 +473,39 @@ def read_box(desc, coords):
     return box
 
 
-def emulate(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, chunk_size,
-            n_segments, chunks_per_segment, block_p, **_unused):
-    """The kernel's program, step by step in torch on the host (fp32 products): the boxes its producer asks for
-    (``descriptors`` and the same coordinates), the consumer's rotation, weights and update, the stores.  It checks
+def emulate(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
+            chunk_size, n_segments, chunks_per_segment, block_p, **_unused):
+    """The kernel's programs in one of its ``ROLES``, step by step in torch on the host (fp32 products): the boxes its
+    producer asks for (``descriptors`` and the same coordinates), the consumer's fold, rotation, weights and update,
+    its stores into ``states`` (bf16; None in the "end" role) and ``seg_state`` (fp32, read by "store").  It checks
     the descriptors and the index arithmetic on the CPU, where Gluon cannot run; the Gluon code itself is checked on
-    the GPU.  Returns seg_state like ``gluon_local_states``."""
+    the GPU."""
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C, HALF, nch = chunk_size, N // 2, states.shape[2]
+    C, HALF, nch = chunk_size, N // 2, cdiv(S, chunk_size)
+    store_states, fold_earlier, store_end = ROLES[role]
+    if states is None:
+        states = torch.empty((1, 1, 1, HALF, block_p), dtype=torch.bfloat16)
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=C, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
                         trap_scale=trap_scale, states=states, chunk_size=C, block_p=block_p)
     states_rows = torch.as_strided(states, found["states_desc"].shape, found["states_desc"].strides)
-    seg_state = torch.full((B, H, n_segments, N, P), float("nan"))
     rotated = torch.arange(HALF) < RD
-    for p0, seg, bh in itertools.product(range(0, P, block_p), range(n_segments), range(B * H)):
+    segments = n_segments - 1 if role == "end" else n_segments
+    for p0, seg, bh in itertools.product(range(0, P, block_p), range(segments), range(B * H)):
         b, h = divmod(bh, H)
         g = h // (H // G)
         c_first = seg * chunks_per_segment
         state = torch.zeros(2, HALF, block_p)
+        for earlier in range(seg if fold_earlier else 0):
+            chunk_ends = (earlier * chunks_per_segment + torch.arange(chunks_per_segment)) * C + C - 1
+            segment_decay = da_cs.reshape(-1)[bh * S + chunk_ends].sum().exp()
+            state = segment_decay * state + seg_state[b, h, earlier, :, p0:p0 + block_p].reshape(2, HALF, block_p)
         for i in range(min(chunks_per_segment, nch - c_first)):
             row, token = b * S + (c_first + i) * C, bh * S + (c_first + i) * C
-            for half in range(2):
+            for half in range(2 if store_states else 0):
                 rows = (bh * nch + c_first + i) * N + half * HALF
                 states_rows[rows:rows + HALF, p0:p0 + block_p] = state[half].to(states.dtype)
             k_lo = read_box(found["k_desc"], [0, row, g * N]).float() + k_bias[h, :, None, :HALF]
@@ -447,9 +519,8 @@ def emulate(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, t
             a_lo = (cos * k_lo - sin * k_hi).reshape(R * C, HALF)
             a_hi = (sin * k_lo + cos * k_hi).reshape(R * C, HALF)
             state = decay * state + torch.stack([a_lo.T @ psiv, a_hi.T @ psiv])
-        if seg < n_segments - 1:
+        if store_end and seg < n_segments - 1:
             seg_state[b, h, seg, :, p0:p0 + block_p] = state.reshape(N, block_p)
-    return seg_state
 
 
 def production_summary(case):
@@ -466,100 +537,163 @@ def production_summary(case):
     return {}
 
 
-def check_case(case, *, seed=0, block_p=None, n_segments=None, num_buffers=None):
-    """max relative error of the probe's states and end states against chunk_local_states' on a GPU (official
-    batch, bf16, the dispatcher's segments unless given)."""
-    inputs, scan = _official_scan(case, seed=seed, block_p=block_p, n_segments=n_segments)
-    shape = (4, 16, cdiv(2048, inputs["chunk_size"]), inputs["k"].shape[-1], inputs["v"].shape[-1])
-    expected = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    expected_end = chunk_local_states(**scan, states=expected, span_chunks=1)
-    got_end = gluon_local_states(**scan, states=got, num_buffers=num_buffers,
-                                 seg_state=torch.full_like(expected_end, float("nan")))
-    return max_relative_error((got, got_end), (expected, expected_end), scan["n_segments"])
+def check_case(case, *, seed=0, num_buffers=None):
+    """GPU, an official shape (bf16, the dispatcher's segments and P tile): {role: max relative error of the kernel's
+    outputs against the production scan's in that role}."""
+    from mamba3_mimo.ops.chunk_state import chunk_states, segment_end_states
+
+    inputs, scan = _official_scan(case, seed=seed)
+    n_segments = scan.pop("n_segments")
+    B, S, _, _, N = inputs["k"].shape
+    H, P = inputs["v"].shape[2:]
+    shape, segment_shape = (B, H, S // inputs["chunk_size"], N, P), (B, H, n_segments, N, P)
+
+    def poisoned(size, dtype=torch.bfloat16):
+        return torch.full(size, float("nan"), device="cuda", dtype=dtype)
+
+    common = dict(scan, n_segments=n_segments, num_buffers=num_buffers)
+    got, got_end = poisoned(shape), poisoned(segment_shape, torch.float32)
+    gluon_chunk_local_states(**common, states=got, seg_state=got_end)
+    expected = poisoned(shape)
+    expected_end = chunk_local_states(**scan, n_segments=n_segments, states=expected, span_chunks=1)
+    errors = dict(local=max_relative_error((got, got_end), (expected, expected_end), n_segments))
+    if n_segments > 1:
+        written = slice(0, n_segments - 1)
+        got_end = gluon_segment_end_states(**common, seg_state=poisoned(segment_shape, torch.float32))
+        expected_end = segment_end_states(**scan, n_segments=n_segments, span_chunks=1)
+        errors["end"] = max_relative_error((got_end[:, :, written], got_end), (expected_end[:, :, written],
+                                                                               expected_end), n_segments)
+        got, expected = poisoned(shape), poisoned(shape)
+        gluon_chunk_states(**common, seg_state=expected_end, states=got)
+        chunk_states(**scan, n_segments=n_segments, seg_state=expected_end, states=expected, span_chunks=1)
+        errors["store"] = max_relative_error((got, expected_end), (expected, expected_end), n_segments)
+    return errors
+
+
+def _compare_roles(inputs, *, run, device, dot_dtype, num_warps):
+    """{"local", "end", "store": max relative error of ``run``'s outputs in that role against the production scan's;
+    "golden_local", "golden_store": the normwise error of its final states against the float64 reference}, on
+    ``inputs`` with three segments (the last one shorter) and with one.  ``run(role, scan, states, seg_state)``
+    writes ``states`` and ``seg_state`` as the kernel would."""
+    from mamba3_mimo.accuracy import normwise_error
+    from mamba3_mimo.ops.chunk_state import chunk_states, segment_end_states
+    from mamba3_mimo.reference import bwd_fwd_reference
+
+    B, S, _, _, N = inputs["k"].shape
+    H, P = inputs["v"].shape[2:]
+    shape = (B, H, S // inputs["chunk_size"], N, P)
+    golden = bwd_fwd_reference(**{name: value.cpu() if torch.is_tensor(value) else value
+                                  for name, value in inputs.items()})[0]
+
+    def poisoned(*size, dtype=torch.bfloat16):
+        return torch.full(size, float("nan"), device=device, dtype=dtype)
+
+    errors = {}
+    for n_segments in (3, 1):
+        scan = scan_arguments(inputs, n_segments=n_segments, block_half=N // 2, block_p=64, num_warps=num_warps,
+                              dot_dtype=dot_dtype, dot_precision="ieee")
+        n_segments = scan.pop("n_segments")
+        segment_shape = (B, H, n_segments, N, P)
+        got, got_end = poisoned(*shape), poisoned(*segment_shape, dtype=torch.float32)
+        run("local", scan, n_segments, got, got_end)
+        if n_segments == 1:
+            errors["golden_local"] = normwise_error(got.cpu(), golden)
+            continue
+        expected = poisoned(*shape)
+        expected_end = chunk_local_states(**scan, n_segments=n_segments, states=expected, span_chunks=1)
+        errors["local"] = max_relative_error((got, got_end), (expected, expected_end), n_segments)
+        # Two passes: the end states, then the stored states folded from them.
+        got_end = poisoned(*segment_shape, dtype=torch.float32)
+        run("end", scan, n_segments, None, got_end)
+        expected_end = segment_end_states(**scan, n_segments=n_segments, span_chunks=1)
+        written = slice(0, n_segments - 1)  # the last segment's end state is never written
+        errors["end"] = max_relative_error((got_end[:, :, written], got_end), (expected_end[:, :, written],
+                                                                               expected_end), n_segments)
+        # The storing pass from the production's end states, so that it is checked on its own.
+        got, expected = poisoned(*shape), poisoned(*shape)
+        run("store", scan, n_segments, got, expected_end)
+        chunk_states(**scan, n_segments=n_segments, seg_state=expected_end, states=expected, span_chunks=1)
+        errors["store"] = max_relative_error((got, expected_end), (expected, expected_end), n_segments)
+        errors["golden_store"] = normwise_error(got.cpu(), golden)
+    return errors
 
 
 def check_emulation():
-    """CPU (the interpreter for chunk_local_states): ``emulate`` on a small bf16 problem with two head groups, two P
-    tiles and three segments (the last one shorter), as ``check_small`` does on the GPU."""
-    from mamba3_mimo.accuracy import normwise_error
-    from mamba3_mimo.reference import bwd_fwd_reference
+    """CPU (the interpreter for the production scan): ``emulate`` in each role on a small bf16 problem with two
+    head groups and two P tiles, as ``check_small`` runs the kernel on the GPU."""
+    # dA_scale 0.1: a segment decays by ~e^-1, so the fold of the earlier segments weighs in the stored states.
+    inputs = make_inputs(B=1, S=256, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5,
+                         dA_scale=0.1)
 
-    inputs = make_inputs(B=1, S=256, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5)
-    shape = (1, 4, 256 // 16, 128, 128)
-    errors = {}
-    for n_segments in (3, 1):
-        # fp32 products: the interpreter miscomputes bf16 tl.dot (SPEC section 10).
-        scan = scan_arguments(inputs, n_segments=n_segments, block_half=64, block_p=64, num_warps=4,
-                              dot_dtype=tl.float32, dot_precision="ieee")
-        got = torch.full(shape, float("nan"), dtype=torch.bfloat16)
-        got_end = emulate(**scan, states=got)
-        if n_segments == 1:
-            errors["golden"] = normwise_error(got, bwd_fwd_reference(**inputs)[0])
-        else:
-            expected = torch.full(shape, float("nan"), dtype=torch.bfloat16)
-            expected_end = chunk_local_states(**scan, states=expected, span_chunks=1)
-            errors["local"] = max_relative_error((got, got_end), (expected, expected_end), scan["n_segments"])
-    return errors
+    def run(role, scan, n_segments, states, seg_state):
+        emulate(role=role, **scan, n_segments=n_segments, states=states, seg_state=seg_state)
+
+    # fp32 products in the production scan: the interpreter miscomputes bf16 tl.dot (SPEC section 10).
+    return _compare_roles(inputs, run=run, device="cpu", dot_dtype=tl.float32, num_warps=4)
 
 
 def check_small(*, num_buffers=None):
-    """GPU, small bf16 problem with two head groups, two P tiles and three segments (the last one shorter):
-    {"local": max relative error against chunk_local_states' states and end states, "golden": the normwise error
-    of the one-segment states against the float64 reference (``bwd_fwd_reference``)}."""
-    from mamba3_mimo.accuracy import normwise_error
-    from mamba3_mimo.reference import bwd_fwd_reference
-
+    """GPU: the kernel in each role on a small bf16 problem with two head groups, two P tiles and three segments (the
+    last one shorter), and with one segment (``_compare_roles``)."""
     inputs = make_inputs(B=2, S=512, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5,
-                         device="cuda")
-    errors = {}
-    for n_segments in (3, 1):
-        scan = scan_arguments(inputs, n_segments=n_segments, block_half=64, block_p=64, num_warps=8,
-                              dot_dtype=tl.bfloat16, dot_precision="ieee")
-        shape = (2, 4, 512 // 16, 128, 128)
-        got = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-        got_end = gluon_local_states(**scan, states=got, num_buffers=num_buffers,
-                                     seg_state=torch.full((2, 4, n_segments, 128, 128), float("nan"), device="cuda"))
-        if n_segments == 1:
-            golden = bwd_fwd_reference(**{name: value.cpu() if torch.is_tensor(value) else value
-                                          for name, value in inputs.items()})[0]
-            errors["golden"] = normwise_error(got.cpu(), golden)
-        else:
-            expected = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-            expected_end = chunk_local_states(**scan, states=expected, span_chunks=1)
-            errors["local"] = max_relative_error((got, got_end), (expected, expected_end), scan["n_segments"])
-    return errors
+                         device="cuda", dA_scale=0.1)
+    wrappers = dict(local=gluon_chunk_local_states, end=gluon_segment_end_states, store=gluon_chunk_states)
+
+    def run(role, scan, n_segments, states, seg_state):
+        if role != "end":
+            scan = dict(scan, states=states)
+        wrappers[role](**scan, n_segments=n_segments, seg_state=seg_state, num_buffers=num_buffers)
+
+    return _compare_roles(inputs, run=run, device="cuda", dot_dtype=tl.bfloat16, num_warps=8)
 
 
-def _official_scan(case, *, seed, block_p=None, n_segments=None):
+def _official_scan(case, *, seed, n_segments=None):
     shape = parse_case(case)
     config = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                            has_z=True, **shape)
     inputs = make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
     scan = scan_arguments(inputs, n_segments=n_segments or config.n_segments, block_half=config.block_half,
-                          block_p=block_p or config.block_p, num_warps=config.num_warps, dot_dtype=tl.bfloat16,
+                          block_p=config.block_p, num_warps=config.num_warps, dot_dtype=tl.bfloat16,
                           dot_precision="ieee")
     return inputs, scan
 
 
 def time_case(case, reps):
-    """ms of chunk_local_states (the dispatcher's tiles and segments) and of the probe at those segments and at
-    twice as many, with each probe variant's error against chunk_local_states."""
-    inputs, scan = _official_scan(case, seed=0)
-    states = torch.empty((4, 16, cdiv(2048, inputs["chunk_size"]), inputs["k"].shape[-1], inputs["v"].shape[-1]),
-                         device="cuda", dtype=torch.bfloat16)
-    record = dict(case=case, n_segments=scan["n_segments"], block_p=scan["block_p"])
-    record["production_ms"] = triton.testing.do_bench(
-        lambda: chunk_local_states(**scan, states=states, span_chunks=1), rep=reps)
-    for segments in (scan["n_segments"], 2 * scan["n_segments"]):
-        key = f"gluon_seg{segments}"
-        try:
-            record[key + "_error"] = check_case(case, n_segments=segments)
-            _, probe_scan = _official_scan(case, seed=0, n_segments=segments)
-            record[key + "_ms"] = triton.testing.do_bench(
-                lambda: gluon_local_states(**probe_scan, states=states), rep=reps)
-        except Exception as error:  # a variant that fails to launch is a finding, not a crash
-            record[key + "_failed"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    """ms of the production scans as the dispatcher configures them (tiles, segments, spans) and of the Gluon
+    kernel in the same roles, at the dispatcher's segment count and at twice it: the local-state pass, and the two
+    passes (end states, then the stored states), with the Gluon kernel's errors (``check_case``)."""
+    from mamba3_mimo.ops.chunk_state import chunk_states, segment_end_states
+
+    shape = parse_case(case)
+    config = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           has_z=True, **shape)
+    record = dict(case=case, dispatcher_local=config.local_states, errors=check_case(case))
+    for segments in (config.n_segments, 2 * config.n_segments):
+        inputs, scan = _official_scan(case, seed=0, n_segments=segments)
+        n_segments = scan.pop("n_segments")
+        states = torch.empty((4, 16, 2048 // inputs["chunk_size"], shape["N"], shape["P"]), device="cuda",
+                             dtype=torch.bfloat16)
+        end = segment_end_states(**scan, n_segments=n_segments, span_chunks=config.end_span_chunks)
+
+        def bench(fn):
+            return triton.testing.do_bench(fn, rep=reps)
+
+        timed = dict(
+            production_local=lambda: chunk_local_states(**scan, n_segments=n_segments, states=states,
+                                                        span_chunks=config.state_span_chunks),
+            gluon_local=lambda: gluon_chunk_local_states(**scan, n_segments=n_segments, states=states),
+            production_end=lambda: segment_end_states(**scan, n_segments=n_segments,
+                                                      span_chunks=config.end_span_chunks),
+            gluon_end=lambda: gluon_segment_end_states(**scan, n_segments=n_segments),
+            production_store=lambda: chunk_states(**scan, n_segments=n_segments, seg_state=end, states=states,
+                                                  span_chunks=config.state_span_chunks),
+            gluon_store=lambda: gluon_chunk_states(**scan, n_segments=n_segments, seg_state=end, states=states),
+        )
+        for name, fn in timed.items():
+            try:
+                record[f"{name}_seg{n_segments}_ms"] = bench(fn)
+            except Exception as error:  # a variant that fails to launch is a finding, not a crash
+                record[f"{name}_seg{n_segments}_failed"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     return record
 
 
@@ -567,9 +701,25 @@ GLUON_CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P6
                "N128_P64_R1_C64"]
 
 
+def compile_records(case, roles, with_production=False):
+    """--compile-only's records for one case: each role compiled at the P tile and ring depth the wrappers choose."""
+    shape = parse_case(case)
+    C, R, N, block_p = shape["chunk_size"], shape["R"], shape["N"], min(shape["P"], 64)
+    records = [dict(case=case, kernel="production storing scan", **production_summary(case))] if with_production else []
+    for role in roles:
+        store_states = ROLES[role][0]
+        depth = ring_depth(C=C, R=R, N=N, block_p=block_p, store_states=store_states)
+        model = shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth, store_states=store_states)
+        records.append(dict(case=case, role=role, block_p=block_p, num_buffers=depth, shared_model=model,
+                            **summary(compile_for_sm90(case, role=role, block_p=block_p, num_buffers=depth))))
+    return records
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=GLUON_CASES)
+    parser.add_argument("--roles", nargs="+", default=list(ROLES), choices=list(ROLES),
+                        help="with --compile-only: the kernel's roles to compile")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--with-production", action="store_true",
                         help="with --compile-only: also the production scan that stores states, for comparison")
@@ -581,20 +731,11 @@ def main(argv=None):
         records.append(dict(case="small", **check_small()))
         print(records[-1], flush=True)
     for case in args.cases:
-        if args.compile_only:
-            shape = parse_case(case)
-            block_p = min(shape["P"], 64)
-            depth = ring_depth(C=shape["chunk_size"], R=shape["R"], N=shape["N"], block_p=block_p)
-            record = dict(case=case, block_p=block_p, num_buffers=depth,
-                          shared_model=shared_bytes(C=shape["chunk_size"], R=shape["R"], N=shape["N"],
-                                                    block_p=block_p, num_buffers=depth),
-                          **summary(compile_for_sm90(case, block_p=block_p, num_buffers=depth)))
-            if args.with_production:
-                print(dict(case=case, kernel="production storing scan", **production_summary(case)), flush=True)
-        else:
-            record = time_case(case, args.reps)
-        records.append(record)
-        print(record, flush=True)
+        found = (compile_records(case, args.roles, args.with_production) if args.compile_only
+                 else [time_case(case, args.reps)])
+        for record in found:
+            print(record, flush=True)
+        records += found
     if args.json:
         with open(args.json, "w") as out:
             json.dump(records, out, indent=1)

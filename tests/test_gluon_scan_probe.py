@@ -34,15 +34,17 @@ def compiled(tmp_path_factory):
     run = subprocess.run([sys.executable, script, "--compile-only", "--json", str(out)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {record["case"]: record for record in json.loads(out.read_text())}
+    return {(record["case"], record["role"]): record for record in json.loads(out.read_text())}
 
 
+@pytest.mark.parametrize("role", list(gluon_scan_probe.ROLES))
 @pytest.mark.parametrize("case", gluon_scan_probe.GLUON_CASES)
-def test_probe_compiles_warp_specialized_within_99_kb(compiled, case):
-    found = compiled[case]
+def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
+    found = compiled[case, role]
     shape = gluon_scan_probe.parse_case(case)
     assert found["num_buffers"] == gluon_scan_probe.ring_depth(C=shape["chunk_size"], R=shape["R"], N=shape["N"],
-                                                               block_p=found["block_p"])
+                                                               block_p=found["block_p"],
+                                                               store_states=gluon_scan_probe.ROLES[role][0])
     # The producer warp gives its registers back (24 idle, 40 working) and the consumer warpgroup takes them.
     assert gluon_scan_probe.PRODUCER_REGISTERS.value in found["setmaxnreg"]
     assert max(found["setmaxnreg"]) > 128, found
@@ -77,22 +79,23 @@ def test_probe_refuses_shapes_its_boxes_do_not_cover(change, message):
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("num_buffers", [1, 2])
-def test_probe_matches_chunk_local_states_and_the_golden(num_buffers):
+def test_probe_matches_the_production_scans_and_the_golden(num_buffers):
     # Outputs start as NaN: an element the probe leaves unwritten reads as an infinite error.
     errors = gluon_scan_probe.check_small(num_buffers=num_buffers)
-    assert errors["local"] <= 1e-2, errors
-    assert errors["golden"] <= 1e-2, errors
+    assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
+    assert max(errors.values()) <= 1e-2, errors
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", gluon_scan_probe.GLUON_CASES)
-def test_probe_matches_chunk_local_states_on_official_shapes(case):
-    assert gluon_scan_probe.check_case(case) <= 1e-2
+def test_probe_matches_the_production_scans_on_official_shapes(case):
+    errors = gluon_scan_probe.check_case(case)
+    assert {"local", "end", "store"} <= set(errors) and max(errors.values()) <= 1e-2, errors
 
 
-def test_emulated_program_matches_chunk_local_states_and_the_golden(monkeypatch):
-    # The kernel's boxes and index arithmetic, replayed in torch from its own descriptors (Gluon cannot run here).
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_emulated_programs_match_the_production_scans_and_the_golden():
+    # The kernel's boxes, fold and index arithmetic in each role, replayed in torch from its own descriptors (Gluon
+    # cannot run here); the production scans run in the interpreter.
     errors = gluon_scan_probe.check_emulation()
-    assert errors["local"] <= 1e-2, errors
-    assert errors["golden"] <= 1e-2, errors
+    assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
+    assert max(errors.values()) <= 1e-2, errors
