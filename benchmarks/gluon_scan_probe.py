@@ -59,6 +59,7 @@ from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
+BLOCK_HALF = 64  # columns of each N/2 half a program holds: one 128-byte swizzled bf16 box row
 
 PRODUCER_REGISTERS = gl.constexpr(40)
 
@@ -79,7 +80,7 @@ def _state_layout(block_p, num_warps):
 @gluon.jit
 def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
               k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-              ready, empty, b, h, g, bh, t_first, p0, S, n_steps,
+              ready, empty, b, h, g, bh, t_first, n0, p0, S, n_steps,
               C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr):
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
@@ -93,10 +94,10 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, 
         row = b * S + t_first + i * C
         bar = ready.index(stage)
         mbarrier.expect(bar, STEP_BYTES)
-        tma.async_copy_global_to_shared(k_desc, [0, row, g * N], bar, k_lo_bufs.index(stage))
-        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF], bar, k_hi_bufs.index(stage))
-        tma.async_copy_global_to_shared(cos_desc, [row, h * RD], bar, cos_bufs.index(stage))
-        tma.async_copy_global_to_shared(sin_desc, [row, h * RD], bar, sin_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + n0], bar, k_lo_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF + n0], bar, k_hi_bufs.index(stage))
+        tma.async_copy_global_to_shared(cos_desc, [row, h * RD + n0], bar, cos_bufs.index(stage))
+        tma.async_copy_global_to_shared(sin_desc, [row, h * RD + n0], bar, sin_bufs.index(stage))
         tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
         tma.async_copy_global_to_shared(da_rev_desc, [bh * S + t_first + i * C], bar, da_rev_bufs.index(stage))
         tma.async_copy_global_to_shared(trap_scale_desc, [bh * S + t_first + i * C], bar,
@@ -107,25 +108,26 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, 
 @gluon.jit
 def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
               ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
-              psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+              psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
               seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
               BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr,
               STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
+    BLOCK_HALF: gl.constexpr = a_lo_smem.type.shape[1]
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
-    k_layout: gl.constexpr = _rows_layout(HALF, num_warps)
+    k_layout: gl.constexpr = _rows_layout(BLOCK_HALF, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
     acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
     token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
     scalar_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
     # Columns past RD are not rotated; their boxes hold the next head's angles (zeros past the table's end).
-    rotated = (gl.arange(0, HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
-    rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
+    rotated = (n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
+    rows = n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(1, acc_layout))
     cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
     tile = rows[:, None] * P + cols[None, :]
-    state_lo = gl.zeros([HALF, BLOCK_P], gl.float32, acc_layout)
-    state_hi = gl.zeros([HALF, BLOCK_P], gl.float32, acc_layout)
+    state_lo = gl.zeros([BLOCK_HALF, BLOCK_P], gl.float32, acc_layout)
+    state_hi = gl.zeros([BLOCK_HALF, BLOCK_P], gl.float32, acc_layout)
     if FOLD_EARLIER:
         # The storing pass of two: s <- exp(segment log decay) s + end state, over the earlier segments.
         chunk = gl.arange(0, BLOCK_SEG_CHUNKS, scalar_layout)
@@ -146,8 +148,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
             out_lo_smem.store(state_lo.to(gl.bfloat16))
             out_hi_smem.store(state_hi.to(gl.bfloat16))
             fence_async_shared()
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N, p0], out_lo_smem)
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF, p0], out_hi_smem)
+            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + n0, p0], out_lo_smem)
+            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi_smem)
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         # da_cs is chunk-local: its value at the chunk's last token is the chunk's whole log decay.
@@ -156,8 +158,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
         cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(gl.float32), 1.0)
         sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(gl.float32), 0.0)
         v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
-        k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, HALF])
-        k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, HALF])
+        k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
+        k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
         for r in gl.static_range(R):
             k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_lo_smem.index(r).load(
                 gl.SliceLayout(0, k_layout))[None, :]
@@ -179,7 +181,7 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
     if STORE_END:
         # The segment's end state, fp32; the last segment's is never read.
         end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P + tile
-        end_mask = (rows[:, None] < HALF) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
+        end_mask = (rows[:, None] < N) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
         gl.store(end_state, state_lo, mask=end_mask)
         gl.store(end_state + HALF * P, state_hi, mask=end_mask)
 
@@ -192,10 +194,14 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_sca
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                        num_warps: gl.constexpr):
-    """One program scans one segment of one (b, h) for one P tile: the production state scan's three roles, as its
-    ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them (``chunk_state.py``)."""
+    """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
+    scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
+    (``chunk_state.py``)."""
     HALF: gl.constexpr = N // 2
-    pid_p = gl.program_id(0)
+    BLOCK_HALF: gl.constexpr = k_desc.block_type.shape[2]
+    P_TILES: gl.constexpr = P // BLOCK_P
+    n0 = gl.program_id(0) // P_TILES * BLOCK_HALF
+    pid_p = gl.program_id(0) % P_TILES
     seg = gl.program_id(1)
     bh = gl.program_id(2)
     b = bh // H
@@ -220,9 +226,9 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_sca
         mbarrier.init(empty.index(i), count=1)
 
     # The update's operands, rows (rank, token): A = k~ per half (read transposed), B = the weighted psiv.
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, HALF], gl.bfloat16)
-    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, HALF], a_layout)
-    a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, HALF], a_layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_HALF], gl.bfloat16)
+    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_HALF], a_layout)
+    a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_HALF], a_layout)
     psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_P],
                                           gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_P], gl.bfloat16))
     out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
@@ -232,10 +238,10 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_sca
     # Rank-1 layouts: a row of the [R, cols] buffers is indexed out as a vector.
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    bias_lo_smem = gl.allocate_shared_memory(gl.float32, [R, HALF], plain)
-    bias_hi_smem = gl.allocate_shared_memory(gl.float32, [R, HALF], plain)
+    bias_lo_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_HALF], plain)
+    bias_hi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_HALF], plain)
     psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], plain)
-    col = gl.arange(0, HALF, row_layout)
+    col = n0 + gl.arange(0, BLOCK_HALF, row_layout)
     psi_col = p0 + gl.arange(0, BLOCK_P, row_layout)
     for r in gl.static_range(R):
         bias_lo_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + col))
@@ -246,12 +252,12 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_sca
     gl.warp_specialize([
         (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
                      ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem,
-                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, p0, S, NCH,
+                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH,
                      CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER,
                      STORE_END, BLOCK_SEG_CHUNKS, num_warps)),
         (_producer, (k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
                      k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-                     ready, empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD)),
+                     ready, empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD)),
     ], [1], [PRODUCER_REGISTERS])
 
 
@@ -259,8 +265,8 @@ def check_shape(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
     """ValueError unless the probe's boxes cover this problem (see the module docstring)."""
     C = chunk_size
     problems = []
-    if N != 128:
-        problems.append(f"N = 128 (one 64-column box a half), got N={N}")
+    if N % (2 * BLOCK_HALF):
+        problems.append(f"N a multiple of 128 (64-column boxes of each half), got N={N}")
     # A swizzled box row is at most 128 bytes: 64 bf16 columns.
     if block_p not in (32, 64) or P % block_p:
         problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
@@ -281,7 +287,7 @@ def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, s
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C, HALF = chunk_size, N // 2
+    C, HALF = chunk_size, BLOCK_HALF
     nch = states.shape[2]
     states_rows = states.shape[0] * states.shape[1] * nch * states.shape[3]
 
@@ -324,7 +330,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
                         trap_scale=trap_scale, states=states, chunk_size=chunk_size, block_p=block_p)
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
     # producer's 40 leave the consumer warpgroup 232.
-    _gluon_scan_kernel[(P // block_p, segments_launched, B * H)](
+    _gluon_scan_kernel[(N // 2 // BLOCK_HALF * (P // block_p), segments_launched, B * H)](
         **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state, da_cs_ptr=da_cs,
         S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
@@ -355,9 +361,8 @@ def gluon_segment_end_states(*, n_segments, seg_state=None, num_buffers=None, **
     if n_segments == 1:
         return None
     seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
-    HALF, block_p = scan["k"].shape[-1] // 2, scan["block_p"]
     # No state is stored: a one-box bf16 tensor stands in for the states descriptor.
-    unused = torch.empty((1, 1, 1, HALF, block_p), device=scan["k"].device, dtype=torch.bfloat16)
+    unused = torch.empty((1, 1, 1, BLOCK_HALF, scan["block_p"]), device=scan["k"].device, dtype=torch.bfloat16)
     _launch(role="end", states=unused, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
             segments_launched=n_segments - 1, **scan)
     return seg_state
@@ -375,7 +380,7 @@ def shared_bytes(*, C, R, N, block_p, num_buffers, store_states=True):
     """The probe's shared memory: the ring's stages plus the update's operands, the bias / Psi rows and, where it
     stores states, the two state-store buffers (the compiler adds barriers and alignment: 410-580 bytes more on the
     official shapes)."""
-    half = N // 2
+    half = BLOCK_HALF
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2 + 3 * C * 4
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
     return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
@@ -483,44 +488,48 @@ def emulate(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C, HALF, nch = chunk_size, N // 2, cdiv(S, chunk_size)
+    C, HALF, BH, nch = chunk_size, N // 2, BLOCK_HALF, cdiv(S, chunk_size)
     store_states, fold_earlier, store_end = ROLES[role]
     if states is None:
-        states = torch.empty((1, 1, 1, HALF, block_p), dtype=torch.bfloat16)
+        states = torch.empty((1, 1, 1, BH, block_p), dtype=torch.bfloat16)
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=C, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
                         trap_scale=trap_scale, states=states, chunk_size=C, block_p=block_p)
     states_rows = torch.as_strided(states, found["states_desc"].shape, found["states_desc"].strides)
-    rotated = torch.arange(HALF) < RD
     segments = n_segments - 1 if role == "end" else n_segments
-    for p0, seg, bh in itertools.product(range(0, P, block_p), range(segments), range(B * H)):
+    for n0, p0, seg, bh in itertools.product(range(0, HALF, BH), range(0, P, block_p), range(segments),
+                                             range(B * H)):
         b, h = divmod(bh, H)
         g = h // (H // G)
         c_first = seg * chunks_per_segment
-        state = torch.zeros(2, HALF, block_p)
+        pieces = (slice(n0, n0 + BH), slice(HALF + n0, HALF + n0 + BH))  # this program's rows of each half
+        p_tile = slice(p0, p0 + block_p)
+        rotated = n0 + torch.arange(BH) < RD
+        state = torch.zeros(2, BH, block_p)
         for earlier in range(seg if fold_earlier else 0):
             chunk_ends = (earlier * chunks_per_segment + torch.arange(chunks_per_segment)) * C + C - 1
             segment_decay = da_cs.reshape(-1)[bh * S + chunk_ends].sum().exp()
-            state = segment_decay * state + seg_state[b, h, earlier, :, p0:p0 + block_p].reshape(2, HALF, block_p)
+            state = segment_decay * state + torch.stack([seg_state[b, h, earlier, rows, p_tile] for rows in pieces])
         for i in range(min(chunks_per_segment, nch - c_first)):
             row, token = b * S + (c_first + i) * C, bh * S + (c_first + i) * C
             for half in range(2 if store_states else 0):
-                rows = (bh * nch + c_first + i) * N + half * HALF
-                states_rows[rows:rows + HALF, p0:p0 + block_p] = state[half].to(states.dtype)
-            k_lo = read_box(found["k_desc"], [0, row, g * N]).float() + k_bias[h, :, None, :HALF]
-            k_hi = read_box(found["k_desc"], [0, row, g * N + HALF]).float() + k_bias[h, :, None, HALF:]
-            cos = torch.where(rotated, read_box(found["cos_desc"], [row, h * RD]).float(), 1.0)
-            sin = torch.where(rotated, read_box(found["sin_desc"], [row, h * RD]).float(), 0.0)
+                first = (bh * nch + c_first + i) * N + half * HALF + n0
+                states_rows[first:first + BH, p_tile] = state[half].to(states.dtype)
+            k_lo = read_box(found["k_desc"], [0, row, g * N + n0]).float() + k_bias[h, :, None, pieces[0]]
+            k_hi = read_box(found["k_desc"], [0, row, g * N + HALF + n0]).float() + k_bias[h, :, None, pieces[1]]
+            cos = torch.where(rotated, read_box(found["cos_desc"], [row, h * RD + n0]).float(), 1.0)
+            sin = torch.where(rotated, read_box(found["sin_desc"], [row, h * RD + n0]).float(), 0.0)
             weight = (read_box(found["da_rev_desc"], [token]).exp() * read_box(found["trap_scale_desc"], [token]))
             decay = read_box(found["da_cs_desc"], [token])[C - 1].exp()
             v_weighted = read_box(found["v_desc"], [row, h * P + p0]).float() * weight[:, None]
-            psiv = (v_weighted[None] * mimo_v[h, :, None, p0:p0 + block_p]).reshape(R * C, block_p)
-            a_lo = (cos * k_lo - sin * k_hi).reshape(R * C, HALF)
-            a_hi = (sin * k_lo + cos * k_hi).reshape(R * C, HALF)
+            psiv = (v_weighted[None] * mimo_v[h, :, None, p_tile]).reshape(R * C, block_p)
+            a_lo = (cos * k_lo - sin * k_hi).reshape(R * C, BH)
+            a_hi = (sin * k_lo + cos * k_hi).reshape(R * C, BH)
             state = decay * state + torch.stack([a_lo.T @ psiv, a_hi.T @ psiv])
         if store_end and seg < n_segments - 1:
-            seg_state[b, h, seg, :, p0:p0 + block_p] = state.reshape(N, block_p)
+            for half, rows in enumerate(pieces):
+                seg_state[b, h, seg, rows, p_tile] = state[half]
 
 
 def production_summary(case):
@@ -618,12 +627,21 @@ def _compare_roles(inputs, *, run, device, dot_dtype, num_warps):
     return errors
 
 
-def check_emulation():
-    """CPU (the interpreter for the production scan): ``emulate`` in each role on a small bf16 problem with two
-    head groups and two P tiles, as ``check_small`` runs the kernel on the GPU."""
-    # dA_scale 0.1: a segment decays by ~e^-1, so the fold of the earlier segments weighs in the stored states.
-    inputs = make_inputs(B=1, S=256, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5,
-                         dA_scale=0.1)
+def small_problem(N, device="cpu"):
+    """A small bf16 problem for the role checks: at N = 128 two head groups and two P tiles, at N = 256 two N/2
+    tiles, both rotated (RD = N/2); dA_scale 0.1 makes a segment decay by ~e^-1, so that the fold of earlier
+    segments weighs in."""
+    shape = (dict(B=1, S=256, H=4, G=2, N=128, P=128, R=4, chunk_size=16) if N == 128 else
+             dict(B=1, S=128, H=2, G=1, N=256, P=64, R=4, chunk_size=8, rotary_dim_divisor=2))
+    if device != "cpu":
+        shape["B"] = 2
+    return make_inputs(**shape, dtype=torch.bfloat16, seed=5, dA_scale=0.1, device=device)
+
+
+def check_emulation(N=128):
+    """CPU (the interpreter for the production scan): ``emulate`` in each role on ``small_problem(N)``, as
+    ``check_small`` runs the kernel on the GPU."""
+    inputs = small_problem(N)
 
     def run(role, scan, n_segments, states, seg_state):
         emulate(role=role, **scan, n_segments=n_segments, states=states, seg_state=seg_state)
@@ -632,11 +650,10 @@ def check_emulation():
     return _compare_roles(inputs, run=run, device="cpu", dot_dtype=tl.float32, num_warps=4)
 
 
-def check_small(*, num_buffers=None):
-    """GPU: the kernel in each role on a small bf16 problem with two head groups, two P tiles and three segments (the
-    last one shorter), and with one segment (``_compare_roles``)."""
-    inputs = make_inputs(B=2, S=512, H=4, G=2, N=128, P=128, R=4, chunk_size=16, dtype=torch.bfloat16, seed=5,
-                         device="cuda", dA_scale=0.1)
+def check_small(*, N=128, num_buffers=None):
+    """GPU: the kernel in each role on ``small_problem(N)`` with three segments (the last one shorter) and with one
+    (``_compare_roles``)."""
+    inputs = small_problem(N, device="cuda")
     wrappers = dict(local=gluon_chunk_local_states, end=gluon_segment_end_states, store=gluon_chunk_states)
 
     def run(role, scan, n_segments, states, seg_state):
@@ -697,8 +714,8 @@ def time_case(case, reps):
     return record
 
 
-GLUON_CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P64_R8_C8", "N128_P64_R2_C32",
-               "N128_P64_R1_C64"]
+GLUON_CASES = ["N256_P64_R4_C8", "N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P64_R8_C8",
+               "N128_P64_R2_C32", "N128_P64_R1_C64"]
 
 
 def compile_records(case, roles, with_production=False):
@@ -728,8 +745,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     records = []
     if not args.compile_only:
-        records.append(dict(case="small", **check_small()))
-        print(records[-1], flush=True)
+        for N in (128, 256):
+            records.append(dict(case=f"small N={N}", **check_small(N=N)))
+            print(records[-1], flush=True)
     for case in args.cases:
         found = (compile_records(case, args.roles, args.with_production) if args.compile_only
                  else [time_case(case, args.reps)])

@@ -62,7 +62,7 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(N=64), "N = 128"),
+    (dict(N=64), "multiple of 128"),
     (dict(P=96), "P tile"),
     (dict(P=128, block_p=128), "P tile"),
     (dict(R=3), "power of two"),
@@ -78,10 +78,10 @@ def test_probe_refuses_shapes_its_boxes_do_not_cover(change, message):
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("num_buffers", [1, 2])
-def test_probe_matches_the_production_scans_and_the_golden(num_buffers):
+@pytest.mark.parametrize("N, num_buffers", [(128, 1), (128, 2), (256, None)])
+def test_probe_matches_the_production_scans_and_the_golden(N, num_buffers):
     # Outputs start as NaN: an element the probe leaves unwritten reads as an infinite error.
-    errors = gluon_scan_probe.check_small(num_buffers=num_buffers)
+    errors = gluon_scan_probe.check_small(N=N, num_buffers=num_buffers)
     assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
     assert max(errors.values()) <= 1e-2, errors
 
@@ -93,9 +93,10 @@ def test_probe_matches_the_production_scans_on_official_shapes(case):
     assert {"local", "end", "store"} <= set(errors) and max(errors.values()) <= 1e-2, errors
 
 
-def test_emulated_programs_match_the_production_scans_and_the_golden():
+@pytest.mark.parametrize("N", [128, 256])
+def test_emulated_programs_match_the_production_scans_and_the_golden(N):
     # The kernel's boxes, fold and index arithmetic in each role, replayed in torch from its own descriptors (Gluon
     # cannot run here); the production scans run in the interpreter.
-    errors = gluon_scan_probe.check_emulation()
+    errors = gluon_scan_probe.check_emulation(N)
     assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
     assert max(errors.values()) <= 1e-2, errors
