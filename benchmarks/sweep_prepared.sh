@@ -132,11 +132,11 @@ case "${PART:-1}" in
     timeout 400 python3 benchmarks/tma_scan_probe.py --json "$OUT/tma_scan_probe/probe.json" 2>&1 | tail -n 12
     ;;
   10)
-    # The local-state scan as a warp-specialized Gluon kernel (benchmarks/gluon_scan_probe.py, section 33): a TMA
-    # producer warp and a wgmma consumer warpgroup, 0.65-0.9x the production scan's chunk-loop instructions with no
-    # global load in the consumer's loop.  Its values first (against chunk_local_states and the float64 reference,
-    # never run before), then chunk_local_states against the probe on the six N = 128 shapes.  Predicted: 0.4-0.65x
-    # chunk_local_states' time at N128_P64_R4_C16.
+    # The state scan as a warp-specialized Gluon kernel (benchmarks/gluon_scan_probe.py, section 33): a TMA producer
+    # warp and a wgmma consumer warpgroup, 0.6-0.9x the production scan's chunk-loop instructions with no global load
+    # in the consumer's loop, in the scan's three roles (local states; end states; stored states with the fold).  Its
+    # values first (against the production scans and the float64 reference, never run before), then every role
+    # against the production scans on the seven N = 128 / 256 shapes.  Predicted: 0.4-0.65x their time.
     mkdir -p "$OUT/gluon_scan_probe"
     timeout 200 python3 -m pytest -q -p no:warnings -rf tests/test_gluon_scan_probe.py 2>&1 | tail -n 8 \
       | tee "$OUT/gluon_scan_probe/tests.log"
