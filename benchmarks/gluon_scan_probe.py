@@ -1,28 +1,15 @@
-"""Probe: the local-state scan as a warp-specialized Gluon kernel (TMA producer warp, wgmma consumer warpgroup).
+"""Checks and timings of the Gluon state scan (``mamba3_mimo/ops/gluon_state_scan.py``) without and with a GPU.
 
-    python benchmarks/gluon_scan_probe.py --compile-only   # no GPU: resources, register split, chunk-loop SASS
-    python benchmarks/gluon_scan_probe.py                  # Hopper GPU: check against chunk_local_states, time both
+    python benchmarks/gluon_scan_probe.py --compile-only   # no GPU: each role compiled for sm_90 (resources,
+                                                           # register split, the consumer's chunk loop in SASS)
+    python benchmarks/gluon_scan_probe.py                  # Hopper GPU: values against the production scans and
+                                                           # the float64 reference, then every role timed
 
-Not a production kernel.  It asks whether the route docs/optimization.md section 32 left open reaches the state
-scans: Triton's ``tl`` gave no producer / consumer split (``tma_scan_probe.py``), and the scans wait on their loads
-(28-35% of their issue rate, section 31).  Gluon (``triton.experimental.gluon``, in Triton 3.6) states the split
-itself:
-
-- a 1-warp producer partition (40 registers) streams each chunk's tiles into a ring of ``num_buffers`` shared-memory
-  stages with TMA: k as two [R, C, N/2] boxes (k viewed as [R, B * S, G * N], so a chunk's rows land rank-major and
-  every rank's [C, N/2] block shares its tokens' tiles), cos / sin as [C, N/2] boxes, v as a [C, P tile] box and the
-  three per-token vectors (da_cs_rev, trap_scale, da_cs) as [C] boxes;
-- the 4-warp consumer partition (the default one, up to 232 registers) rotates k, weighs v, writes the update's two
-  operands to shared memory, stores the entering state through shared memory with an asynchronous TMA store, and
-  runs ``state = decay * state + k~^T @ psiv`` as two wgmma (one per N/2 half, [N/2, P tile] fp32 accumulators).
-
-It computes what ``chunk_local_states`` computes (bf16 activations and states, fp16 rotation tables, the fp32
-rotation, one chunk a step), for the shapes its boxes cover: N = 128 (N/2 = 64: one 128-byte swizzled box row),
-P a multiple of the P tile (32 or 64), C * R a multiple of 16 and at most 256, C a multiple of 8, and S a
-multiple of C (the API pads every call to whole chunks, so boxes never cross a sequence end).  Six of the eleven
-official shapes qualify.  Gluon kernels do not run in the Triton interpreter: the value check runs on a Hopper GPU
-only (``tests/test_gluon_scan_probe.py``); on the CPU the test compiles the kernel for sm_90 and checks its
-partitioning and its shared memory.
+Gluon kernels do not run in the Triton interpreter, so on the CPU the kernel is compiled for sm_90 and its programs
+are replayed in torch (``emulate``: the boxes its producer asks for, from its own host descriptors and coordinates,
+and its consumer's fold, rotation, weights and update), which checks the descriptors and the index arithmetic
+against the production scans running in the interpreter.  The Gluon code itself is checked on a Hopper GPU
+(``check_small``, ``check_case``; ``tests/test_gluon_state_scan.py``).  docs/optimization.md section 33.
 """
 
 import argparse
@@ -36,16 +23,6 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -55,343 +32,20 @@ from tma_scan_probe import max_relative_error, scan_arguments  # noqa: E402
 from mamba3_mimo.bench import parse_case  # noqa: E402
 from mamba3_mimo.inputs import make_inputs  # noqa: E402
 from mamba3_mimo.ops.chunk_state import chunk_local_states  # noqa: E402
+from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
+    BLOCK_HALF,
+    ROLES,
+    _gluon_scan_kernel,
+    check_shape,
+    descriptors,
+    gluon_chunk_local_states,
+    gluon_chunk_states,
+    gluon_segment_end_states,
+    ring_depth,
+    shared_bytes,
+)
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
-
-SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
-BLOCK_HALF = 64  # columns of each N/2 half a program holds: one 128-byte swizzled bf16 box row
-
-PRODUCER_REGISTERS = gl.constexpr(40)
-
-
-@gluon.constexpr_function
-def _rows_layout(cols, num_warps):
-    """[rows, cols] elementwise tiles: a warp's lanes across the columns, the warps down the rows."""
-    lanes = min(32, cols)
-    return gl.BlockedLayout([1, max(1, cols // 32)], [32 // lanes, lanes], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _state_layout(block_p, num_warps):
-    """The wgmma accumulator of one [N/2, P tile] state half."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_p, 16])
-
-
-@gluon.jit
-def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
-              k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-              ready, empty, b, h, g, bh, t_first, n0, p0, S, n_steps,
-              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr):
-    HALF: gl.constexpr = N // 2
-    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
-    STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
-                                + v_desc.block_type.nbytes + da_rev_desc.block_type.nbytes
-                                + trap_scale_desc.block_type.nbytes + da_cs_desc.block_type.nbytes)
-    for i in range(n_steps):
-        stage = i % NUM_BUFFERS
-        # A fresh mbarrier counts as having completed phase 1, so the first pass through the ring does not wait.
-        mbarrier.wait(empty.index(stage), ((i // NUM_BUFFERS) & 1) ^ 1)
-        row = b * S + t_first + i * C
-        bar = ready.index(stage)
-        mbarrier.expect(bar, STEP_BYTES)
-        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + n0], bar, k_lo_bufs.index(stage))
-        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF + n0], bar, k_hi_bufs.index(stage))
-        tma.async_copy_global_to_shared(cos_desc, [row, h * RD + n0], bar, cos_bufs.index(stage))
-        tma.async_copy_global_to_shared(sin_desc, [row, h * RD + n0], bar, sin_bufs.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
-        tma.async_copy_global_to_shared(da_rev_desc, [bh * S + t_first + i * C], bar, da_rev_bufs.index(stage))
-        tma.async_copy_global_to_shared(trap_scale_desc, [bh * S + t_first + i * C], bar,
-                                        trap_scale_bufs.index(stage))
-        tma.async_copy_global_to_shared(da_cs_desc, [bh * S + t_first + i * C], bar, da_cs_bufs.index(stage))
-
-
-@gluon.jit
-def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-              ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
-              psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-              seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
-              BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr,
-              STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
-    HALF: gl.constexpr = N // 2
-    BLOCK_HALF: gl.constexpr = a_lo_smem.type.shape[1]
-    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
-    k_layout: gl.constexpr = _rows_layout(BLOCK_HALF, num_warps)
-    p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
-    acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
-    token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
-    scalar_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-
-    # Columns past RD are not rotated; their boxes hold the next head's angles (zeros past the table's end).
-    rotated = (n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
-    rows = n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(1, acc_layout))
-    cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
-    tile = rows[:, None] * P + cols[None, :]
-    state_lo = gl.zeros([BLOCK_HALF, BLOCK_P], gl.float32, acc_layout)
-    state_hi = gl.zeros([BLOCK_HALF, BLOCK_P], gl.float32, acc_layout)
-    if FOLD_EARLIER:
-        # The storing pass of two: s <- exp(segment log decay) s + end state, over the earlier segments.
-        chunk = gl.arange(0, BLOCK_SEG_CHUNKS, scalar_layout)
-        for earlier in range(0, seg):
-            chunk_ends = (earlier * CHUNKS_PER_SEG + chunk) * C + C - 1
-            segment_decay = gl.exp(gl.sum(gl.load(da_cs_ptr + bh * S + chunk_ends, mask=chunk < CHUNKS_PER_SEG,
-                                                  other=0.0), axis=0))
-            end_state = seg_state_ptr + (bh * N_SEGMENTS + earlier) * N * P + tile
-            state_lo = state_lo * segment_decay + gl.load(end_state)
-            state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
-    for i in range(n_steps):
-        stage = i % NUM_BUFFERS
-        c = c_first + i
-        if STORE_STATES:
-            # The state entering chunk c goes out through shared memory as an asynchronous TMA store; the previous
-            # chunk's store has had a whole step to finish reading its buffers.
-            tma.store_wait(0)
-            out_lo_smem.store(state_lo.to(gl.bfloat16))
-            out_hi_smem.store(state_hi.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + n0, p0], out_lo_smem)
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi_smem)
-
-        mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
-        # da_cs is chunk-local: its value at the chunk's last token is the chunk's whole log decay.
-        decay = gl.exp(gl.sum(da_cs_bufs.index(stage).slice(C - 1, 1).load(scalar_layout), axis=0))
-        weight = gl.exp(da_rev_bufs.index(stage).load(token_layout)) * trap_scale_bufs.index(stage).load(token_layout)
-        cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(gl.float32), 1.0)
-        sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(gl.float32), 0.0)
-        v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
-        k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
-        k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
-        for r in gl.static_range(R):
-            k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_lo_smem.index(r).load(
-                gl.SliceLayout(0, k_layout))[None, :]
-            k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_hi_smem.index(r).load(
-                gl.SliceLayout(0, k_layout))[None, :]
-            a_lo_smem.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
-            a_hi_smem.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
-            psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))
-            psiv_smem.slice(r * C, C).store((v_weighted * psi[None, :]).to(gl.bfloat16))
-        # Orders this partition's shared-memory reads and writes before the producer's next TMA into the stage and
-        # before the wgmma reads of the operands.
-        fence_async_shared()
-        mbarrier.arrive(empty.index(stage), count=1)
-        state_lo = warpgroup_mma(a_lo_smem.permute((1, 0)), psiv_smem, state_lo * decay, is_async=True)
-        state_hi = warpgroup_mma(a_hi_smem.permute((1, 0)), psiv_smem, state_hi * decay, is_async=True)
-        state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
-    if STORE_STATES:
-        tma.store_wait(0)
-    if STORE_END:
-        # The segment's end state, fp32; the last segment's is never read.
-        end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P + tile
-        end_mask = (rows[:, None] < N) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
-        gl.store(end_state, state_lo, mask=end_mask)
-        gl.store(end_state + HALF * P, state_hi, mask=end_mask)
-
-
-@gluon.jit
-def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc, states_desc,
-                       k_bias_ptr, psi_ptr, seg_state_ptr, da_cs_ptr,
-                       S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-                       C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
-                       BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
-                       FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
-    scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
-    (``chunk_state.py``)."""
-    HALF: gl.constexpr = N // 2
-    BLOCK_HALF: gl.constexpr = k_desc.block_type.shape[2]
-    P_TILES: gl.constexpr = P // BLOCK_P
-    n0 = gl.program_id(0) // P_TILES * BLOCK_HALF
-    pid_p = gl.program_id(0) % P_TILES
-    seg = gl.program_id(1)
-    bh = gl.program_id(2)
-    b = bh // H
-    h = bh % H
-    g = h // (H // G)
-    p0 = pid_p * BLOCK_P
-    c_first = seg * CHUNKS_PER_SEG
-    n_steps = gl.minimum(CHUNKS_PER_SEG, NCH - c_first)
-
-    k_lo_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
-    k_hi_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
-    cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
-    sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape, sin_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
-    da_rev_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], da_rev_desc.layout)
-    trap_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], trap_scale_desc.layout)
-    da_cs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], da_cs_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-
-    # The update's operands, rows (rank, token): A = k~ per half (read transposed), B = the weighted psiv.
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_HALF], gl.bfloat16)
-    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_HALF], a_layout)
-    a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_HALF], a_layout)
-    psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_P],
-                                          gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_P], gl.bfloat16))
-    out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
-    out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
-
-    # The head's k bias and Psi tile, read once into shared memory: a rank's row is then one shared load a chunk.
-    # Rank-1 layouts: a row of the [R, cols] buffers is indexed out as a vector.
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    bias_lo_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_HALF], plain)
-    bias_hi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_HALF], plain)
-    psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], plain)
-    col = n0 + gl.arange(0, BLOCK_HALF, row_layout)
-    psi_col = p0 + gl.arange(0, BLOCK_P, row_layout)
-    for r in gl.static_range(R):
-        bias_lo_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + col))
-        bias_hi_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + HALF + col))
-        psi_smem.index(r).store(gl.load(psi_ptr + (h * R + r) * P + psi_col))
-
-    gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
-    gl.warp_specialize([
-        (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-                     ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem,
-                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH,
-                     CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER,
-                     STORE_END, BLOCK_SEG_CHUNKS, num_warps)),
-        (_producer, (k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
-                     k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-                     ready, empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD)),
-    ], [1], [PRODUCER_REGISTERS])
-
-
-def check_shape(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
-    """ValueError unless the probe's boxes cover this problem (see the module docstring)."""
-    C = chunk_size
-    problems = []
-    if N % (2 * BLOCK_HALF):
-        problems.append(f"N a multiple of 128 (64-column boxes of each half), got N={N}")
-    # A swizzled box row is at most 128 bytes: 64 bf16 columns.
-    if block_p not in (32, 64) or P % block_p:
-        problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
-    if C % 8 or R & (R - 1) or (C * R) % 16 or C * R > 256:
-        problems.append(f"C a multiple of 8, R a power of two and C * R a multiple of 16 up to 256, got C={C}, R={R}")
-    if S % C:
-        problems.append(f"S a multiple of C (whole chunks, as the API pads them), got S={S}, C={C}")
-    if (H * RD * 2) % 16:
-        problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {H * RD}")
-    if dtypes != (torch.bfloat16, torch.float16, torch.bfloat16):
-        problems.append(f"bf16 activations and states with fp16 tables, got (k, tables, states) = {dtypes}")
-    if problems:
-        raise ValueError("gluon scan probe: needs " + "; ".join(problems))
-
-
-def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, states, chunk_size, block_p):
-    """The kernel's TMA descriptors (host-side, so no program builds one)."""
-    B, S, R, G, N = k.shape
-    H, P = v.shape[2], v.shape[3]
-    RD = cos_angles.shape[3]
-    C, HALF = chunk_size, BLOCK_HALF
-    nch = states.shape[2]
-    states_rows = states.shape[0] * states.shape[1] * nch * states.shape[3]
-
-    def box(tensor, shape, strides, block):
-        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[tensor.dtype]
-        layout = (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1) if len(block) == 1
-                  else gl.NVMMASharedLayout.get_default_for(block, element))
-        return TensorDescriptor(tensor, list(shape), list(strides), list(block), layout)
-
-    vector = dict(shape=[B * H * S], strides=[1], block=[C])
-    return dict(
-        # k viewed as [R, B * S, G * N]: a box is one chunk's rows, rank-major.
-        k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF]),
-        cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
-        sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
-        v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
-        da_rev_desc=box(da_cs_rev, **vector), trap_scale_desc=box(trap_scale, **vector),
-        da_cs_desc=box(da_cs, **vector),
-        states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [HALF, block_p]),
-    )
-
-
-ROLES = {
-    # role: (STORE_STATES, FOLD_EARLIER, STORE_END), as the production wrappers of chunk_state.py set them.
-    "local": (True, False, True),  # chunk_local_states
-    "end": (False, False, True),  # segment_end_states
-    "store": (True, True, False),  # chunk_states
-}
-
-
-def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
-            chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, **_unused):
-    B, S, R, G, N = k.shape
-    H, P = v.shape[2], v.shape[3]
-    RD = cos_angles.shape[3]
-    check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
-                dtypes=(k.dtype, cos_angles.dtype, states.dtype))
-    store_states, fold_earlier, store_end = ROLES[role]
-    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
-                        trap_scale=trap_scale, states=states, chunk_size=chunk_size, block_p=block_p)
-    # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
-    # producer's 40 leave the consumer warpgroup 232.
-    _gluon_scan_kernel[(N // 2 // BLOCK_HALF * (P // block_p), segments_launched, B * H)](
-        **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state, da_cs_ptr=da_cs,
-        S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
-        C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
-        NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, N=N, block_p=block_p, store_states=store_states),
-        STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
-
-
-def _segment_scratch(k, v, n_segments):
-    B, _, _, _, N = k.shape
-    return torch.empty((B, v.shape[2], n_segments, N, v.shape[3]), device=k.device, dtype=torch.float32)
-
-
-def gluon_chunk_local_states(*, states, n_segments, seg_state=None, num_buffers=None, **scan):
-    """``chunk_local_states`` through the Gluon kernel: the same arguments (those it has no use for are ignored;
-    one chunk a step) plus ``num_buffers``, the depth of the shared-memory ring (default: the deepest of 1-3 within
-    99 KB, ``ring_depth``), and ``seg_state`` to write into (default: a new one).  ``states`` [B, H, nch, N, P] bf16
-    receives the segment-local states.  Returns seg_state [B, H, n_segments, N, P] fp32 (end states)."""
-    seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
-    _launch(role="local", states=states, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
-            segments_launched=n_segments, **scan)
-    return seg_state
-
-
-def gluon_segment_end_states(*, n_segments, seg_state=None, num_buffers=None, **scan):
-    """``segment_end_states`` through the Gluon kernel (one chunk a step): every segment but the last scanned from
-    zero, its end state written.  Returns seg_state [B, H, n_segments, N, P] fp32, or None with one segment."""
-    if n_segments == 1:
-        return None
-    seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
-    # No state is stored: a one-box bf16 tensor stands in for the states descriptor.
-    unused = torch.empty((1, 1, 1, BLOCK_HALF, scan["block_p"]), device=scan["k"].device, dtype=torch.bfloat16)
-    _launch(role="end", states=unused, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
-            segments_launched=n_segments - 1, **scan)
-    return seg_state
-
-
-def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **scan):
-    """``chunk_states`` through the Gluon kernel: each segment folds the earlier segments' end states (from
-    ``gluon_segment_end_states`` or ``segment_end_states``, None with one segment) and stores the state entering
-    each of its chunks into ``states`` [B, H, nch, N, P] bf16."""
-    _launch(role="store", states=states, seg_state=scan["trap_scale"] if seg_state is None else seg_state,
-            n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
-
-
-def shared_bytes(*, C, R, N, block_p, num_buffers, store_states=True):
-    """The probe's shared memory: the ring's stages plus the update's operands, the bias / Psi rows and, where it
-    stores states, the two state-store buffers (the compiler adds barriers and alignment: 410-580 bytes more on the
-    official shapes)."""
-    half = BLOCK_HALF
-    stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2 + 3 * C * 4
-    fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
-    return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
-
-
-def ring_depth(*, C, R, N, block_p, store_states=True):
-    """The deepest ring (1 to 3 stages) whose shared memory stays within the 99 KB bound, with 768 bytes for
-    what the model leaves out."""
-    return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth,
-                                                                store_states=store_states) + 768 <= SMEM_LIMIT])
-
 
 def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU

@@ -236,6 +236,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         out_y_state_early=[False, True],
         scan_half_rotation=[False, True],
         out_half_rotation=[False, True],
+        gluon_scan=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

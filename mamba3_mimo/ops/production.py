@@ -159,6 +159,12 @@ class ScanConfig:
     order and cap above).
     gate_tile_elements / gate_num_warps: elements of one ``gate_grads`` tile and warps of its programs (1024, or 4096
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
+    gluon_scan: the state scans (whichever schedule) run as the warp-specialized Gluon kernel of
+    ``gluon_state_scan.py`` (a TMA producer warp, a wgmma consumer warpgroup; one chunk a step, its own N/2 tile
+    of 64 and ring depth) where it applies (``gluon_state_scan.unsupported``: a Hopper GPU, bf16 k and states, N a
+    multiple of 128, a P tile of 32 or 64, ...), else the Triton scans.  Such a call is not replayed (the kernel
+    takes host tensor descriptors).  Compiled for sm_90 and replayed in torch on the CPU, not yet run on a GPU:
+    off by default (docs/optimization.md section 33).
     """
 
     block_p: int
@@ -190,6 +196,7 @@ class ScanConfig:
     out_half_rotation: bool = False
     gate_tile_elements: int = 2048
     gate_num_warps: int = 4
+    gluon_scan: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -470,11 +477,24 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     handoff = states
     if torch.finfo(states.dtype).eps > input_eps:
         handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
+    gluon = None
+    if config.gluon_scan:
+        from . import gluon_state_scan
+
+        if gluon_state_scan.unsupported(**scan, states=handoff) is None:
+            gluon = gluon_state_scan
+            forbid_replay()  # its launches take host tensor descriptors, which a call replay would not rebuild
     seg_entry = entry_decay = None
     if local:
-        seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
+        if gluon:
+            seg_entry = gluon.gluon_chunk_local_states(**scan, states=handoff)
+        else:
+            seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
         entry_decay = segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
                                            chunks_per_segment=chunks_per_segment)
+    elif gluon:
+        seg_end = gluon.gluon_segment_end_states(**scan)
+        gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
     else:
         # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
         # twice within a call, which keeps a recorded call's scratch layout the same from call to call.

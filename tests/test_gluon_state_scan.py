@@ -1,0 +1,180 @@
+"""The Gluon state scan (mamba3_mimo/ops/gluon_state_scan.py) and the production path's ``gluon_scan`` knob.
+
+Gluon kernels do not run in the Triton interpreter, so on the CPU the kernel is compiled for sm_90 (ptxas and
+cuobjdump ship with the triton wheel) and its structure is checked (a warp-specialized register split, the
+update as wgmma, no global loads in the consumer's chunk loop, shared memory within the 99 KB bound), its programs
+are replayed in torch against the production scans (benchmarks/gluon_scan_probe.py), and the knob is shown inert
+where the kernel does not apply.  Its values are checked on a Hopper GPU only.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import gluon_scan_probe  # noqa: E402
+
+from mamba3_mimo import api  # noqa: E402
+from mamba3_mimo.inputs import make_inputs  # noqa: E402
+from mamba3_mimo.ops import gluon_state_scan  # noqa: E402
+from mamba3_mimo.ops.production import choose_config  # noqa: E402
+
+# The interpreter's loads in chunk_local_states take offsets through numpy's deprecated array-to-int conversion.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The probe's --compile-only records on the six shapes.  In a process of its own: Gluon's library cannot be
+    imported as compiled code into a session that runs the interpreter (the CPU tests)."""
+    out = tmp_path_factory.mktemp("gluon") / "compiled.json"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gluon_scan_probe.py")
+    run = subprocess.run([sys.executable, script, "--compile-only", "--json", str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {(record["case"], record["role"]): record for record in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("role", list(gluon_state_scan.ROLES))
+@pytest.mark.parametrize("case", gluon_scan_probe.GLUON_CASES)
+def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
+    found = compiled[case, role]
+    shape = gluon_scan_probe.parse_case(case)
+    assert found["num_buffers"] == gluon_state_scan.ring_depth(C=shape["chunk_size"], R=shape["R"], N=shape["N"],
+                                                               block_p=found["block_p"],
+                                                               store_states=gluon_state_scan.ROLES[role][0])
+    # The producer warp gives its registers back (24 idle, 40 working) and the consumer warpgroup takes them.
+    assert gluon_state_scan.PRODUCER_REGISTERS.value in found["setmaxnreg"]
+    assert max(found["setmaxnreg"]) > 128, found
+    # The update runs as wgmma, and the consumer's chunk loop reads nothing from global memory.
+    assert found["HGMMA"] >= 4 and found["LDG"] == 0, found
+    assert found["shared"] <= gluon_state_scan.SMEM_LIMIT, found
+    assert 0 <= found["shared"] - found["shared_model"] <= 768, found
+
+
+def test_ring_depth_takes_the_deepest_ring_that_fits():
+    # N128_P64_R4_C16: 2 stages of 22.7 KB fit beside the 44 KB of operands, 3 do not.
+    assert gluon_state_scan.ring_depth(C=16, R=4, N=128, block_p=64) == 2
+    assert gluon_state_scan.ring_depth(C=64, R=1, N=128, block_p=64) == 1
+    assert gluon_state_scan.ring_depth(C=8, R=4, N=128, block_p=64) == 3
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(N=64), "multiple of 128"),
+    (dict(P=96), "P tile"),
+    (dict(P=128, block_p=128), "P tile"),
+    (dict(R=3), "power of two"),
+    (dict(S=2040), "multiple of C"),
+    (dict(dtypes=(torch.float32, torch.float32, torch.float32)), "bf16 k and states"),
+])
+def test_probe_refuses_shapes_its_boxes_do_not_cover(change, message):
+    problem = dict(B=1, S=2048, R=4, G=1, N=128, H=16, P=64, RD=32, chunk_size=16, block_p=64,
+                   dtypes=(torch.bfloat16, torch.float16, torch.bfloat16))
+    problem.update(change)
+    with pytest.raises(ValueError, match=message):
+        gluon_state_scan.check_shape(**problem)
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("N, num_buffers", [(128, 1), (128, 2), (256, None)])
+def test_probe_matches_the_production_scans_and_the_golden(N, num_buffers):
+    # Outputs start as NaN: an element the probe leaves unwritten reads as an infinite error.
+    errors = gluon_scan_probe.check_small(N=N, num_buffers=num_buffers)
+    assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
+    assert max(errors.values()) <= 1e-2, errors
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", gluon_scan_probe.GLUON_CASES)
+def test_probe_matches_the_production_scans_on_official_shapes(case):
+    errors = gluon_scan_probe.check_case(case)
+    assert {"local", "end", "store"} <= set(errors) and max(errors.values()) <= 1e-2, errors
+
+
+@pytest.mark.parametrize("N", [128, 256])
+def test_emulated_programs_match_the_production_scans_and_the_golden(N):
+    # The kernel's boxes, fold and index arithmetic in each role, replayed in torch from its own descriptors (Gluon
+    # cannot run here); the production scans run in the interpreter.
+    errors = gluon_scan_probe.check_emulation(N)
+    assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
+    assert max(errors.values()) <= 1e-2, errors
+
+
+def _spy_on_gluon_wrappers(monkeypatch):
+    """Count the calls of the Gluon scan's wrappers (and let them run)."""
+    calls = []
+    for name in ("gluon_chunk_local_states", "gluon_segment_end_states", "gluon_chunk_states"):
+        wrapped = getattr(gluon_state_scan, name)
+
+        def spy(*args, _wrapped=wrapped, _name=name, **kwargs):
+            calls.append(_name)
+            return _wrapped(*args, **kwargs)
+
+        monkeypatch.setattr(gluon_state_scan, name, spy)
+    return calls
+
+
+def test_unsupported_names_the_reason(device):
+    import triton.language as tl
+
+    inputs = make_inputs(B=1, S=64, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=torch.bfloat16, device=device)
+    scan = gluon_scan_probe.scan_arguments(inputs, n_segments=2, block_half=64, block_p=64, num_warps=4,
+                                           dot_dtype=tl.bfloat16, dot_precision="ieee")
+    states = torch.empty((1, 2, 4, 128, 64), device=device, dtype=torch.bfloat16)
+    reason = gluon_state_scan.unsupported(**scan, states=states)
+    if not HOPPER:
+        assert reason is not None and "Hopper" in reason
+        return
+    assert reason is None
+    misaligned = torch.empty(inputs["v"].numel() + 1, device=device, dtype=torch.bfloat16)[1:].view(inputs["v"].shape)
+    assert "v contiguous and 16-byte aligned" in gluon_state_scan.unsupported(**dict(scan, v=misaligned),
+                                                                              states=states)
+    assert "bf16 k and states" in gluon_state_scan.unsupported(**scan, states=states.float())
+    assert "multiple of C" in gluon_state_scan.unsupported(**dict(scan, chunk_size=24), states=states)
+
+
+def test_gluon_scan_knob_is_inert_where_the_kernel_does_not_apply(device, monkeypatch):
+    """Off Hopper (here: the interpreter) and on shapes its boxes do not cover, ``gluon_scan`` runs the Triton scans:
+    the same launches, the same outputs bit for bit, no Gluon call."""
+    calls = _spy_on_gluon_wrappers(monkeypatch)
+    # N = 64 is outside the kernel's boxes, so a Hopper GPU falls back as well.
+    inputs = make_inputs(B=1, S=48, H=2, G=1, N=64, P=32, R=2, chunk_size=16, dtype=torch.bfloat16, seed=3,
+                         device=device)
+    base = choose_config(B=1, H=2, S=48, N=64, P=32, R=2, chunk_size=16, num_sms=4)
+    outputs = [api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production",
+                           config=dataclasses.replace(base, gluon_scan=knob)) for knob in (False, True)]
+    for plain, with_knob in zip(*outputs):
+        if plain is not None:
+            assert torch.equal(plain, with_knob)
+    assert calls == []
+
+
+# Official-grid-like shapes the kernel covers, at test size: local states over two P tiles and two head groups;
+# the two passes there; N = 256 (two N/2 tiles) in two passes at C = 8.
+GLUON_PRODUCTION_CASES = [
+    dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True),
+    dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=False),
+    dict(N=256, P=64, R=4, chunk_size=8, S=128, H=2, G=1, local_states=False),
+]
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES, ids=lambda c: f"N{c['N']}-P{c['P']}-"
+                         f"{'local' if c['local_states'] else 'two'}")
+def test_production_with_gluon_scan_matches_the_reference(check_kernel, monkeypatch, case):
+    calls = _spy_on_gluon_wrappers(monkeypatch)
+    shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
+    config = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
+                                 local_states=case["local_states"], block_p=64)
+    check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config,
+                 dA_scale=0.1, **shape)
+    assert calls, "the Gluon scan did not run"
