@@ -3,8 +3,8 @@
 # cases and knobs per sweep_cases.sh run (its per-case JSON and summary under $OUT/<group>).  Part 1 holds the
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
-# Part 10 (section 33) checks and times the warp-specialized Gluon scan; it goes first among the untimed parts.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|2|3|4|5|6|7|8|9|10 bash benchmarks/sweep_prepared.sh
+# Parts 10-11 (section 33) check and time the warp-specialized Gluon scan; they go first among the untimed parts.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|11 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -138,12 +138,21 @@ case "${PART:-1}" in
     # values first (against the production scans and the float64 reference, never run before), then every role
     # against the production scans on the seven N = 128 / 256 shapes.  Predicted: 0.4-0.65x their time.
     mkdir -p "$OUT/gluon_scan_probe"
-    timeout 150 python3 -m pytest -q -p no:warnings -rf tests/test_gluon_scan_probe.py 2>&1 | tail -n 8 \
+    timeout 150 python3 -m pytest -q -p no:warnings -rf tests/test_gluon_state_scan.py 2>&1 | tail -n 8 \
       | tee "$OUT/gluon_scan_probe/tests.log"
-    timeout 420 python3 benchmarks/gluon_scan_probe.py --json "$OUT/gluon_scan_probe/probe.json" 2>&1 | tail -n 12
+    timeout 400 python3 benchmarks/gluon_scan_probe.py --cases N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 \
+      --json "$OUT/gluon_scan_probe/probe.json" 2>&1 | tail -n 8
+    ;;
+  11)
+    # After part 10 passes: the other four shapes the Gluon scan covers, then whole calls with ScanConfig.gluon_scan
+    # (graph us, the dispatcher's config otherwise) on the shapes of the largest predicted gains.
+    mkdir -p "$OUT/gluon_scan_probe"
+    timeout 300 python3 benchmarks/gluon_scan_probe.py --cases N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 \
+      N128_P64_R1_C64 --json "$OUT/gluon_scan_probe/probe_rest.json" 2>&1 | tail -n 4
+    sweep gluon_scan CASES="N256_P64_R4_C8 N128_P128_R4_C8 N128_P64_R4_C16 N128_P64_R8_C8" KNOBS="gluon_scan"
     ;;
   *)
-    echo "PART must be 1 to 10" >&2
+    echo "PART must be 1 to 11" >&2
     exit 2
     ;;
 esac
