@@ -57,7 +57,7 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     shape = parse_case(case)
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     block_p = block_p or min(P, 64)
-    num_buffers = num_buffers or ring_depth(C=C, R=R, N=N, block_p=block_p, store_states=ROLES[role][0])
+    num_buffers = num_buffers or ring_depth(C=C, R=R, block_p=block_p, store_states=ROLES[role][0])
     B, S, H, G = 4, 2048, 16, 1
     # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
@@ -375,12 +375,12 @@ GLUON_CASES = ["N256_P64_R4_C8", "N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P12
 def compile_records(case, roles, with_production=False):
     """--compile-only's records for one case: each role compiled at the P tile and ring depth the wrappers choose."""
     shape = parse_case(case)
-    C, R, N, block_p = shape["chunk_size"], shape["R"], shape["N"], min(shape["P"], 64)
+    C, R, block_p = shape["chunk_size"], shape["R"], min(shape["P"], 64)
     records = [dict(case=case, kernel="production storing scan", **production_summary(case))] if with_production else []
     for role in roles:
         store_states = ROLES[role][0]
-        depth = ring_depth(C=C, R=R, N=N, block_p=block_p, store_states=store_states)
-        model = shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth, store_states=store_states)
+        depth = ring_depth(C=C, R=R, block_p=block_p, store_states=store_states)
+        model = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, store_states=store_states)
         records.append(dict(case=case, role=role, block_p=block_p, num_buffers=depth, shared_model=model,
                             **summary(compile_for_sm90(case, role=role, block_p=block_p, num_buffers=depth))))
     return records

@@ -49,7 +49,7 @@ def compiled(tmp_path_factory):
 def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
     found = compiled[case, role]
     shape = gluon_scan_probe.parse_case(case)
-    assert found["num_buffers"] == gluon_state_scan.ring_depth(C=shape["chunk_size"], R=shape["R"], N=shape["N"],
+    assert found["num_buffers"] == gluon_state_scan.ring_depth(C=shape["chunk_size"], R=shape["R"],
                                                                block_p=found["block_p"],
                                                                store_states=gluon_state_scan.ROLES[role][0])
     # The producer warp gives its registers back (24 idle, 40 working) and the consumer warpgroup takes them.
@@ -63,9 +63,9 @@ def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
 
 def test_ring_depth_takes_the_deepest_ring_that_fits():
     # N128_P64_R4_C16: 2 stages of 22.7 KB fit beside the 44 KB of operands, 3 do not.
-    assert gluon_state_scan.ring_depth(C=16, R=4, N=128, block_p=64) == 2
-    assert gluon_state_scan.ring_depth(C=64, R=1, N=128, block_p=64) == 1
-    assert gluon_state_scan.ring_depth(C=8, R=4, N=128, block_p=64) == 3
+    assert gluon_state_scan.ring_depth(C=16, R=4, block_p=64) == 2
+    assert gluon_state_scan.ring_depth(C=64, R=1, block_p=64) == 1
+    assert gluon_state_scan.ring_depth(C=8, R=4, block_p=64) == 3
 
 
 @pytest.mark.parametrize("change, message", [

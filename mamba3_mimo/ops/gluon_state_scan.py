@@ -52,7 +52,7 @@ def _rows_layout(cols, num_warps):
 
 @gluon.constexpr_function
 def _state_layout(block_p, num_warps):
-    """The wgmma accumulator of one [N/2, P tile] state half."""
+    """The wgmma accumulator of one [64, P tile] piece of a state half."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_p, 16])
 
 
@@ -342,7 +342,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
         **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state, da_cs_ptr=da_cs,
         S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
-        NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, N=N, block_p=block_p, store_states=store_states),
+        NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, store_states=store_states),
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
         BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
 
@@ -384,18 +384,18 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
             n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
 
 
-def shared_bytes(*, C, R, N, block_p, num_buffers, store_states=True):
-    """The probe's shared memory: the ring's stages plus the update's operands, the bias / Psi rows and, where it
-    stores states, the two state-store buffers (the compiler adds barriers and alignment: 410-580 bytes more on the
-    official shapes)."""
+def shared_bytes(*, C, R, block_p, num_buffers, store_states=True):
+    """The kernel's shared memory, whatever N is (a program holds a [2 x 64, P tile] piece): the ring's stages plus
+    the update's operands, the bias / Psi rows and, where it stores states, the two state-store buffers (the compiler
+    adds barriers and alignment: 410-580 bytes more on the official shapes)."""
     half = BLOCK_HALF
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2 + 3 * C * 4
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
     return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
 
 
-def ring_depth(*, C, R, N, block_p, store_states=True):
+def ring_depth(*, C, R, block_p, store_states=True):
     """The deepest ring (1 to 3 stages) whose shared memory stays within the 99 KB bound, with 768 bytes for
     what the model leaves out."""
-    return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, N=N, block_p=block_p, num_buffers=depth,
+    return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth,
                                                                 store_states=store_states) + 768 <= SMEM_LIMIT])
