@@ -66,17 +66,17 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     fake = dict(k=_Shaped(base[torch.bfloat16], (B, S, R, G, N)), v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
                 cos_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
                 sin_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
-                da_cs=base[torch.float32], da_cs_rev=base[torch.float32], trap_scale=base[torch.float32],
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
-    found = descriptors(**fake, chunk_size=C, block_p=block_p)
-    signature = {name: mangle_type(desc) for name, desc in found.items()}
-    signature.update({name: "*fp32" for name in ("k_bias_ptr", "psi_ptr", "seg_state_ptr", "da_cs_ptr")})
-    signature.update({name: "i32" for name in ("S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
+    types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p).items()}
+    types.update({name: "*fp32" for name in ("da_rev_ptr", "trap_scale_ptr", "da_cs_ptr", "k_bias_ptr", "psi_ptr",
+                                             "seg_state_ptr")})
+    types.update({name: "i32" for name in ("S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
     store_states, fold_earlier, store_end = ROLES[role]
     constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
                      STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4)
-    signature.update({name: "constexpr" for name in constants})
+    types.update({name: "constexpr" for name in constants})
+    signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=128))
 
@@ -148,8 +148,8 @@ def emulate(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
         states = torch.empty((1, 1, 1, BH, block_p), dtype=torch.bfloat16)
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=C, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
-    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
-                        trap_scale=trap_scale, states=states, chunk_size=C, block_p=block_p)
+    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states, chunk_size=C,
+                        block_p=block_p)
     states_rows = torch.as_strided(states, found["states_desc"].shape, found["states_desc"].strides)
     segments = n_segments - 1 if role == "end" else n_segments
     for n0, p0, seg, bh in itertools.product(range(0, HALF, BH), range(0, P, block_p), range(segments),
@@ -174,8 +174,8 @@ def emulate(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
             k_hi = read_box(found["k_desc"], [0, row, g * N + HALF + n0]).float() + k_bias[h, :, None, pieces[1]]
             cos = torch.where(rotated, read_box(found["cos_desc"], [row, h * RD + n0]).float(), 1.0)
             sin = torch.where(rotated, read_box(found["sin_desc"], [row, h * RD + n0]).float(), 0.0)
-            weight = (read_box(found["da_rev_desc"], [token]).exp() * read_box(found["trap_scale_desc"], [token]))
-            decay = read_box(found["da_cs_desc"], [token])[C - 1].exp()
+            weight = da_cs_rev.reshape(-1)[token:token + C].exp() * trap_scale.reshape(-1)[token:token + C]
+            decay = da_cs.reshape(-1)[token + C - 1].exp()
             v_weighted = read_box(found["v_desc"], [row, h * P + p0]).float() * weight[:, None]
             psiv = (v_weighted[None] * mimo_v[h, :, None, p_tile]).reshape(R * C, block_p)
             a_lo = (cos * k_lo - sin * k_hi).reshape(R * C, BH)

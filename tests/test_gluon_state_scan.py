@@ -55,8 +55,9 @@ def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
     # The producer warp gives its registers back (24 idle, 40 working) and the consumer warpgroup takes them.
     assert gluon_state_scan.PRODUCER_REGISTERS.value in found["setmaxnreg"]
     assert max(found["setmaxnreg"]) > 128, found
-    # The update runs as wgmma, and the consumer's chunk loop reads nothing from global memory.
-    assert found["HGMMA"] >= 4 and found["LDG"] == 0, found
+    # The update runs as wgmma; the consumer's chunk loop reads from global memory only the next chunk's few per-token
+    # weights (its tiles arrive by TMA).
+    assert found["HGMMA"] >= 4 and found["LDG"] <= shape["chunk_size"] + 1, found
     assert found["shared"] <= gluon_state_scan.SMEM_LIMIT, found
     assert 0 <= found["shared"] - found["shared_model"] <= 768, found
 

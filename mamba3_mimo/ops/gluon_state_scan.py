@@ -7,7 +7,7 @@ split (section 32).  Here Gluon (``triton.experimental.gluon``) states the split
 - a 1-warp producer partition (40 registers) streams each chunk's tiles into a ring of shared-memory stages with
   TMA: k as two [R, C, 64] boxes of k viewed as [R, B * S, G * N] (a chunk's rows land rank-major, so each rank's
   [C, 64] block shares its tokens' tiles without a broadcast), cos / sin as [C, 64] boxes of the [B * S, H * RD]
-  tables, v as a [C, P tile] box and da_cs_rev / trap_scale / da_cs as 1-D [C] boxes;
+  tables and v as a [C, P tile] box;
 - the 4-warp consumer partition (232 registers) rotates k, weighs v, writes the update's operands to shared memory,
   releases the stage and runs ``state = decay * state + k~^T @ psiv`` as two wgmma, one per N/2 half, into
   [64, P tile] fp32 accumulators; entering states leave through shared memory as asynchronous TMA stores.
@@ -57,15 +57,13 @@ def _state_layout(block_p, num_warps):
 
 
 @gluon.jit
-def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
-              k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
+def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs,
               ready, empty, b, h, g, bh, t_first, n0, p0, S, n_steps,
               C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr):
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
-                                + v_desc.block_type.nbytes + da_rev_desc.block_type.nbytes
-                                + trap_scale_desc.block_type.nbytes + da_cs_desc.block_type.nbytes)
+                                + v_desc.block_type.nbytes)
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         # A fresh mbarrier counts as having completed phase 1, so the first pass through the ring does not wait.
@@ -78,14 +76,10 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, 
         tma.async_copy_global_to_shared(cos_desc, [row, h * RD + n0], bar, cos_bufs.index(stage))
         tma.async_copy_global_to_shared(sin_desc, [row, h * RD + n0], bar, sin_bufs.index(stage))
         tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
-        tma.async_copy_global_to_shared(da_rev_desc, [bh * S + t_first + i * C], bar, da_rev_bufs.index(stage))
-        tma.async_copy_global_to_shared(trap_scale_desc, [bh * S + t_first + i * C], bar,
-                                        trap_scale_bufs.index(stage))
-        tma.async_copy_global_to_shared(da_cs_desc, [bh * S + t_first + i * C], bar, da_cs_bufs.index(stage))
 
 
 @gluon.jit
-def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
+def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap_scale_ptr,
               ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
               psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
               seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
@@ -117,9 +111,22 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
             end_state = seg_state_ptr + (bh * N_SEGMENTS + earlier) * N * P + tile
             state_lo = state_lo * segment_decay + gl.load(end_state)
             state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
+    # The per-token weights and the chunk decay are a few floats a chunk: loaded one chunk ahead from global memory
+    # (1-D TMA boxes of them would land at shared addresses short of TMA's 128-byte alignment).
+    token = gl.arange(0, C, token_layout)
+    disc = bh * S + c_first * C
+    next_da_rev = gl.load(da_rev_ptr + disc + token)
+    next_trap_scale = gl.load(trap_scale_ptr + disc + token)
+    next_log_decay = gl.load(da_cs_ptr + disc + C - 1)  # da_cs is chunk-local: its last value is the chunk's decay
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         c = c_first + i
+        da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
+        ahead = disc + (i + 1) * C
+        more = i + 1 < n_steps
+        next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
+        next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
+        next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
         if STORE_STATES:
             # The state entering chunk c goes out through shared memory as an asynchronous TMA store; the previous
             # chunk's store has had a whole step to finish reading its buffers.
@@ -131,9 +138,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
             tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi_smem)
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
-        # da_cs is chunk-local: its value at the chunk's last token is the chunk's whole log decay.
-        decay = gl.exp(gl.sum(da_cs_bufs.index(stage).slice(C - 1, 1).load(scalar_layout), axis=0))
-        weight = gl.exp(da_rev_bufs.index(stage).load(token_layout)) * trap_scale_bufs.index(stage).load(token_layout)
+        decay = gl.exp(log_decay)
+        weight = gl.exp(da_rev) * trap_scale
         cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(gl.float32), 1.0)
         sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(gl.float32), 0.0)
         v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
@@ -166,8 +172,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, tra
 
 
 @gluon.jit
-def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc, states_desc,
-                       k_bias_ptr, psi_ptr, seg_state_ptr, da_cs_ptr,
+def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_ptr, trap_scale_ptr, da_cs_ptr,
+                       k_bias_ptr, psi_ptr, seg_state_ptr,
                        S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
                        C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
@@ -195,9 +201,6 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_sca
     cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
     sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape, sin_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
-    da_rev_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], da_rev_desc.layout)
-    trap_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], trap_scale_desc.layout)
-    da_cs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, C], da_cs_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
@@ -229,14 +232,13 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_sca
 
     gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
     gl.warp_specialize([
-        (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-                     ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem,
-                     bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH,
-                     CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER,
-                     STORE_END, BLOCK_SEG_CHUNKS, num_warps)),
-        (_producer, (k_desc, cos_desc, sin_desc, v_desc, da_rev_desc, trap_scale_desc, da_cs_desc,
-                     k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_bufs, trap_scale_bufs, da_cs_bufs,
-                     ready, empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD)),
+        (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap_scale_ptr, ready, empty,
+                     a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem, psi_smem,
+                     states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+                     seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS,
+                     num_warps)),
+        (_producer, (k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready,
+                     empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD)),
     ], [1], [PRODUCER_REGISTERS])
 
 
@@ -290,7 +292,7 @@ def unsupported(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_re
     return "; ".join(problems) or None
 
 
-def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, states, chunk_size, block_p):
+def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
     """The kernel's TMA descriptors (host-side, so no program builds one)."""
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
@@ -301,19 +303,15 @@ def descriptors(*, k, v, cos_angles, sin_angles, da_cs, da_cs_rev, trap_scale, s
 
     def box(tensor, shape, strides, block):
         element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[tensor.dtype]
-        layout = (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1) if len(block) == 1
-                  else gl.NVMMASharedLayout.get_default_for(block, element))
+        layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return TensorDescriptor(tensor, list(shape), list(strides), list(block), layout)
 
-    vector = dict(shape=[B * H * S], strides=[1], block=[C])
     return dict(
         # k viewed as [R, B * S, G * N]: a box is one chunk's rows, rank-major.
         k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF]),
         cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
         sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
         v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
-        da_rev_desc=box(da_cs_rev, **vector), trap_scale_desc=box(trap_scale, **vector),
-        da_cs_desc=box(da_cs, **vector),
         states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [HALF, block_p]),
     )
 
@@ -334,12 +332,13 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
-    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, da_cs=da_cs, da_cs_rev=da_cs_rev,
-                        trap_scale=trap_scale, states=states, chunk_size=chunk_size, block_p=block_p)
+    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
+                        chunk_size=chunk_size, block_p=block_p)
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
     # producer's 40 leave the consumer warpgroup 232.
     _gluon_scan_kernel[(N // 2 // BLOCK_HALF * (P // block_p), segments_launched, B * H)](
-        **found, k_bias_ptr=k_bias, psi_ptr=mimo_v, seg_state_ptr=seg_state, da_cs_ptr=da_cs,
+        **found, da_rev_ptr=da_cs_rev, trap_scale_ptr=trap_scale, da_cs_ptr=da_cs, k_bias_ptr=k_bias, psi_ptr=mimo_v,
+        seg_state_ptr=seg_state,
         S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
         C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
         NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, store_states=store_states),
@@ -389,7 +388,7 @@ def shared_bytes(*, C, R, block_p, num_buffers, store_states=True):
     the update's operands, the bias / Psi rows and, where it stores states, the two state-store buffers (the compiler
     adds barriers and alignment: 410-580 bytes more on the official shapes)."""
     half = BLOCK_HALF
-    stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2 + 3 * C * 4
+    stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
     return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
 
