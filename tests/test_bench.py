@@ -124,10 +124,10 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
     # The defaults follow DISPATCH_SWEPT_KNOBS, which stays off until final_gpu.sh has passed with the rule on.
-    assert production.DISPATCH_SWEPT_KNOBS is False
+    assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
-             "out_max_registers")
+             "gluon_scan", "out_max_registers")
     assert not any(getattr(plain, name) for name in knobs[:-1])
     assert dataclasses.replace(config, **{name: getattr(plain, name) for name in knobs}) == plain
     half = half_tables and config.local_states and not config.scan_prefetch
@@ -136,6 +136,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.scan_half_rotation is config.out_half_rotation is half
     assert config.out_q_cast_early is config.out_y_state_early is half
     assert config.d_in_gate is (config.split_gate and parse_case(case)["P"] <= 64)
+    assert config.gluon_scan  # production runs it where gluon_state_scan.unsupported finds nothing against the call
     if config.split_gate:
         want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]
         assert config.out_max_registers == want_cap

@@ -80,7 +80,7 @@ SPAN_ROWS = 64
 # in that session, and a timed knob stays out of the defaults until final_gpu.sh has passed with it (as d_in_gate was
 # held in sections 26-27).  The next device session sets this True (and the pin in test_dispatcher_swept_knobs),
 # runs final_gpu.sh, and keeps it if that passes; the CPU suite passes with it on (section 31).
-DISPATCH_SWEPT_KNOBS = False
+DISPATCH_SWEPT_KNOBS = True
 
 
 def _check_tile(name, value):
@@ -387,7 +387,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
                       scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
                       d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
-                      out_q_cast_early=half_rotation, out_y_state_early=half_rotation)
+                      out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
