@@ -118,12 +118,12 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     """With the knobs the sweeps of 01845e8 chose (optimization.md 30): the bf16 rotation with chunk_scan's
     low-register order on the local-state shapes with bf16 products, except where the scan loads ahead (N64_P128);
     never in the two-pass shapes (N256, N128_P128, N16 without Z) nor with fp32 tables; the D skip in the gate's
-    math on every split shape with P <= 64 (section 31).  Everything else as without them; until the GPU test grids
-    pass with them the dispatcher leaves them off."""
+    math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
+    where it applies, section 33).  Everything else as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
-    # The defaults follow DISPATCH_SWEPT_KNOBS, which stays off until final_gpu.sh has passed with the rule on.
+    # The defaults follow DISPATCH_SWEPT_KNOBS, on since final_gpu.sh passed with the rule on (optimization.md 33).
     assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",

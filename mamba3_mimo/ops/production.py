@@ -75,11 +75,10 @@ MIN_CHUNKS_PER_SEGMENT = 4
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # The knobs the sweeps of 01845e8 chose (docs/optimization.md sections 30-31): d_in_gate on the split shapes with
-# P <= 64; the bf16 rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes.
-# Timed on the H200 (Z on -8% graph geomean), not yet through the GPU test grids: no device could be started for them
-# in that session, and a timed knob stays out of the defaults until final_gpu.sh has passed with it (as d_in_gate was
-# held in sections 26-27).  The next device session sets this True (and the pin in test_dispatcher_swept_knobs),
-# runs final_gpu.sh, and keeps it if that passes; the CPU suite passes with it on (section 31).
+# P <= 64; the bf16 rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes;
+# and gluon_scan, the state scans as the warp-specialized Gluon kernel where it applies (section 33).  Timed on the
+# H200 (the first group: Z on -8% graph geomean) and on an H100 (gluon_scan: -8 to -13% a case); on since the GPU test
+# grids passed with them on an H100 (section 33).  False gives the earlier defaults (test_dispatcher_swept_knobs).
 DISPATCH_SWEPT_KNOBS = True
 
 
@@ -163,8 +162,8 @@ class ScanConfig:
     ``gluon_state_scan.py`` (a TMA producer warp, a wgmma consumer warpgroup; one chunk a step, its own N/2 tile
     of 64 and ring depth) where it applies (``gluon_state_scan.unsupported``: a Hopper GPU, bf16 k and states, N a
     multiple of 128, a P tile of 32 or 64, ...), else the Triton scans.  Such a call is not replayed (the kernel
-    takes host tensor descriptors).  Compiled for sm_90 and replayed in torch on the CPU, not yet run on a GPU:
-    off by default (docs/optimization.md section 33).
+    takes host tensor descriptors).  GPU-tested and timed on an H100 (whole calls -8 to -13% on five N = 128 / 256
+    official shapes); ``DISPATCH_SWEPT_KNOBS`` sets it (docs/optimization.md section 33).
     """
 
     block_p: int
