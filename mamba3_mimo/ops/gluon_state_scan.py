@@ -386,7 +386,7 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
 def shared_bytes(*, C, R, block_p, num_buffers, store_states=True):
     """The kernel's shared memory, whatever N is (a program holds a [2 x 64, P tile] piece): the ring's stages plus
     the update's operands, the bias / Psi rows and, where it stores states, the two state-store buffers (the compiler
-    adds barriers and alignment: 410-580 bytes more on the official shapes)."""
+    adds barriers and alignment: 236-268 bytes more on the official shapes)."""
     half = BLOCK_HALF
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
