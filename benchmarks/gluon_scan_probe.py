@@ -200,6 +200,11 @@ def production_summary(case):
     return {}
 
 
+def poisoned(shape, device, dtype=torch.bfloat16):
+    """An output tensor filled with NaN: an element a kernel leaves unwritten reads as an infinite error."""
+    return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+
 def check_case(case, *, seed=0, num_buffers=None):
     """GPU, an official shape (bf16, the dispatcher's segments and P tile): {role: max relative error of the kernel's
     outputs against the production scan's in that role}."""
@@ -211,22 +216,19 @@ def check_case(case, *, seed=0, num_buffers=None):
     H, P = inputs["v"].shape[2:]
     shape, segment_shape = (B, H, S // inputs["chunk_size"], N, P), (B, H, n_segments, N, P)
 
-    def poisoned(size, dtype=torch.bfloat16):
-        return torch.full(size, float("nan"), device="cuda", dtype=dtype)
-
     common = dict(scan, n_segments=n_segments, num_buffers=num_buffers)
-    got, got_end = poisoned(shape), poisoned(segment_shape, torch.float32)
+    got, got_end = poisoned(shape, "cuda"), poisoned(segment_shape, "cuda", torch.float32)
     gluon_chunk_local_states(**common, states=got, seg_state=got_end)
-    expected = poisoned(shape)
+    expected = poisoned(shape, "cuda")
     expected_end = chunk_local_states(**scan, n_segments=n_segments, states=expected, span_chunks=1)
     errors = dict(local=max_relative_error((got, got_end), (expected, expected_end), n_segments))
     if n_segments > 1:
         written = slice(0, n_segments - 1)
-        got_end = gluon_segment_end_states(**common, seg_state=poisoned(segment_shape, torch.float32))
+        got_end = gluon_segment_end_states(**common, seg_state=poisoned(segment_shape, "cuda", torch.float32))
         expected_end = segment_end_states(**scan, n_segments=n_segments, span_chunks=1)
         errors["end"] = max_relative_error((got_end[:, :, written], got_end), (expected_end[:, :, written],
                                                                                expected_end), n_segments)
-        got, expected = poisoned(shape), poisoned(shape)
+        got, expected = poisoned(shape, "cuda"), poisoned(shape, "cuda")
         gluon_chunk_states(**common, seg_state=expected_end, states=got)
         chunk_states(**scan, n_segments=n_segments, seg_state=expected_end, states=expected, span_chunks=1)
         errors["store"] = max_relative_error((got, expected_end), (expected, expected_end), n_segments)
@@ -248,32 +250,29 @@ def _compare_roles(inputs, *, run, device, dot_dtype, num_warps):
     golden = bwd_fwd_reference(**{name: value.cpu() if torch.is_tensor(value) else value
                                   for name, value in inputs.items()})[0]
 
-    def poisoned(*size, dtype=torch.bfloat16):
-        return torch.full(size, float("nan"), device=device, dtype=dtype)
-
     errors = {}
     for n_segments in (3, 1):
         scan = scan_arguments(inputs, n_segments=n_segments, block_half=N // 2, block_p=64, num_warps=num_warps,
                               dot_dtype=dot_dtype, dot_precision="ieee")
         n_segments = scan.pop("n_segments")
         segment_shape = (B, H, n_segments, N, P)
-        got, got_end = poisoned(*shape), poisoned(*segment_shape, dtype=torch.float32)
+        got, got_end = poisoned(shape, device), poisoned(segment_shape, device, torch.float32)
         run("local", scan, n_segments, got, got_end)
         if n_segments == 1:
             errors["golden_local"] = normwise_error(got.cpu(), golden)
             continue
-        expected = poisoned(*shape)
+        expected = poisoned(shape, device)
         expected_end = chunk_local_states(**scan, n_segments=n_segments, states=expected, span_chunks=1)
         errors["local"] = max_relative_error((got, got_end), (expected, expected_end), n_segments)
         # Two passes: the end states, then the stored states folded from them.
-        got_end = poisoned(*segment_shape, dtype=torch.float32)
+        got_end = poisoned(segment_shape, device, torch.float32)
         run("end", scan, n_segments, None, got_end)
         expected_end = segment_end_states(**scan, n_segments=n_segments, span_chunks=1)
         written = slice(0, n_segments - 1)  # the last segment's end state is never written
         errors["end"] = max_relative_error((got_end[:, :, written], got_end), (expected_end[:, :, written],
                                                                                expected_end), n_segments)
         # The storing pass from the production's end states, so that it is checked on its own.
-        got, expected = poisoned(*shape), poisoned(*shape)
+        got, expected = poisoned(shape, device), poisoned(shape, device)
         run("store", scan, n_segments, got, expected_end)
         chunk_states(**scan, n_segments=n_segments, seg_state=expected_end, states=expected, span_chunks=1)
         errors["store"] = max_relative_error((got, expected_end), (expected, expected_end), n_segments)

@@ -21,6 +21,8 @@ the Triton interpreter, so its values are tested on the GPU (``tests/test_gluon_
 arithmetic on the CPU by a replay in torch (``benchmarks/gluon_scan_probe.py``).
 """
 
+import functools
+
 import torch
 import triton
 from triton import knobs
@@ -362,15 +364,20 @@ def gluon_chunk_local_states(*, states, n_segments, seg_state=None, num_buffers=
     return seg_state
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_states(device, block_p):
+    """A one-box bf16 tensor standing in for the states descriptor where no state is stored (made once)."""
+    return torch.empty((1, 1, 1, BLOCK_HALF, block_p), device=device, dtype=torch.bfloat16)
+
+
 def gluon_segment_end_states(*, n_segments, seg_state=None, num_buffers=None, **scan):
     """``segment_end_states`` through the Gluon kernel (one chunk a step): every segment but the last scanned from
     zero, its end state written.  Returns seg_state [B, H, n_segments, N, P] fp32, or None with one segment."""
     if n_segments == 1:
         return None
     seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
-    # No state is stored: a one-box bf16 tensor stands in for the states descriptor.
-    unused = torch.empty((1, 1, 1, BLOCK_HALF, scan["block_p"]), device=scan["k"].device, dtype=torch.bfloat16)
-    _launch(role="end", states=unused, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
+    _launch(role="end", states=_unused_states(scan["k"].device, scan["block_p"]), seg_state=seg_state,
+            n_segments=n_segments, num_buffers=num_buffers,
             segments_launched=n_segments - 1, **scan)
     return seg_state
 
