@@ -180,3 +180,38 @@ def test_production_with_gluon_scan_matches_the_reference(check_kernel, monkeypa
     check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config,
                  dA_scale=0.1, **shape)
     assert calls, "the Gluon scan did not run"
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES[:2], ids=["local", "two"])
+def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, case):
+    """The second call of a signature replays the whole call, the Gluon launches with their descriptors rebuilt
+    around the new tensors (no host wrapper runs), into NaN-poisoned outputs; bitwise equal to the same call
+    through Triton's JIT."""
+    from mamba3_mimo.ops import launch as launch_module
+
+    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
+    monkeypatch.setattr(launch_module, "_calls", {})  # the first call below records
+    replays = []
+    run = launch_module._CallRecord.run
+    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+    calls = _spy_on_gluon_wrappers(monkeypatch)
+    shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
+    config = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
+                                 local_states=case["local_states"], block_p=64)
+
+    def call(seed):
+        inputs = make_inputs(B=2, G=case["G"], dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
+        return inputs, api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
+
+    call(1)
+    recorded = len(calls)
+    assert recorded, "the Gluon scan did not run"
+    inputs, replayed = call(2)
+    assert len(replays) == 1 and len(calls) == recorded  # replayed: no wrapper ran
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
+    through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
+    assert len(replays) == 1 and len(calls) > recorded
+    for a, b in zip(replayed, through_jit):
+        assert (a is None) == (b is None)
+        assert a is None or (not a.isnan().any() and torch.equal(a, b))

@@ -154,7 +154,7 @@ def test_call_record_describes_roots_scratch_and_literals():
     (compiled, trailing, grid, literals, pointers), = record.launches
     assert compiled is kernel and trailing == (16, True) and grid == (3, 2, 1)
     assert literals == (None, None, 7, None, None, None, 0.5)
-    assert pointers == ((0, 0, 0), (1, -1, 0), (4, 2, 0), (5, -1, 400))
+    assert pointers == ((0, 0, 0, None), (1, -1, 0, None), (4, 2, 0, None), (5, -1, 400, None))
 
     # Another call's tensors in the same places record the same launches; a kernel, literal or trailing
     # constexpr that differs does not.
@@ -167,6 +167,34 @@ def test_call_record_describes_roots_scratch_and_literals():
                   _record_one(roots2, kernel, (out2, low, 7, None, q2, high, 0.5)),
                   _record_one(roots2, kernel, (q2, low, 7, None, out2, high, 0.5), trailing=(32,))):
         assert not record.same_launches(other)
+
+
+def test_call_record_rebuilds_host_tensor_descriptors():
+    """A host tensor descriptor (the Gluon scan's TMA arguments) is recorded by its base, as a tensor is, plus its
+    shape, strides and padding; the replay passes a descriptor of the same fields around the new call's pointer,
+    which is all Triton's launcher reads of it (``make_tensordesc_arg``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k, out = torch.zeros(4, 8, 64), torch.zeros(32)
+    scratch = torch.zeros(2, 64)
+    k_view = TensorDescriptor(k, [4, 8, 64], [8 * 64, 64, 1], [2, 8, 64])  # not k's own shape: a view of it
+    tables = TensorDescriptor(scratch, [2, 64], [64, 1], [2, 32])
+    assert launch_module._is_descriptor(k_view) and not launch_module._is_descriptor(k)
+    assert launch_module._spec(k_view)[0] == "tensordesc"
+    assert launch_module._spec(k_view) != launch_module._spec(TensorDescriptor(k, [4, 8, 64], [512, 64, 1], [1, 8, 64]))
+    kernel = _FakeCompiled()
+    record = _record_one((k, out), kernel, (k_view, tables, out, 3))
+    assert record.replayable and record.scratch_bytes == 512
+    literals, pointers = record.launches[0][3:]
+    assert literals == (None, None, None, 3)
+    assert pointers == ((0, 0, 0, ((4, 8, 64), (512, 64, 1), "zero")), (1, -1, 0, ((2, 64), (64, 1), "zero")),
+                        (2, 1, 0, None))
+    rebuilt = launch_module._DescriptorAt(4096, *pointers[0][3])
+    assert rebuilt.base.data_ptr() == 4096 and rebuilt.shape == [4, 8, 64] and rebuilt.strides == [512, 64, 1]
+    assert rebuilt.padding == "zero"
+    # A descriptor over a view of a root is a view of a root: not replayable.
+    viewed = _record_one((k, out), kernel, (TensorDescriptor(k[1:], [3, 8, 64], [512, 64, 1], [1, 8, 64]),))
+    assert not viewed.replayable
 
 
 @pytest.mark.parametrize("case", ["root_view", "aliased_roots", "overlapping_scratch"])

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host_utils import cdiv
+from .launch import launch
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 BLOCK_HALF = 64  # columns of each N/2 half a program holds: one 128-byte swizzled bf16 box row
@@ -336,16 +337,17 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     store_states, fold_earlier, store_end = ROLES[role]
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
                         chunk_size=chunk_size, block_p=block_p)
+    # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
     # producer's 40 leave the consumer warpgroup 232.
-    _gluon_scan_kernel[(N // 2 // BLOCK_HALF * (P // block_p), segments_launched, B * H)](
-        **found, da_rev_ptr=da_cs_rev, trap_scale_ptr=trap_scale, da_cs_ptr=da_cs, k_bias_ptr=k_bias, psi_ptr=mimo_v,
-        seg_state_ptr=seg_state,
-        S=S, H=H, G=G, NCH=cdiv(S, chunk_size), CHUNKS_PER_SEG=chunks_per_segment, N_SEGMENTS=n_segments,
-        C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
-        NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, store_states=store_states),
-        STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-        BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
+    launch(_gluon_scan_kernel, (N // 2 // BLOCK_HALF * (P // block_p), segments_launched, B * H),
+           found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"], found["states_desc"],
+           da_cs_rev, trap_scale, da_cs, k_bias, mimo_v, seg_state,
+           S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
+           C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
+           NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, store_states=store_states),
+           STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
+           BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
 
 
 def _segment_scratch(k, v, n_segments):

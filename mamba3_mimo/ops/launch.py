@@ -24,7 +24,9 @@ above the device time of the small official shapes.  So a plan given the call's 
 launches touch other than the scratch they allocate) records the whole call: each launch's compiled kernel,
 grid and arguments, tensors as (root, offset) or (scratch region, offset).  ``LaunchPlan.replay`` then makes
 the same launches for a later call with the same key, with that call's roots, one flat scratch allocation
-and device pointers passed as ints; the host wrappers do not run.  A call that does other device work
+and device pointers passed as ints; the host wrappers do not run.  Host tensor descriptors (TMA, the Gluon
+kernels') are recorded by their base the same way and rebuilt around the new pointer: the launcher encodes a
+descriptor from its base pointer, shape and strides at each launch.  A call that does other device work
 between its launches calls ``forbid_replay``.  With ``MAMBA3_MIMO_CHECK_PLAN=1`` (the GPU tests set it)
 nothing is replayed: each call runs its wrappers, every slot's kernel is checked against its full key and
 every call's launches against the recorded ones.
@@ -40,7 +42,7 @@ import os
 import torch
 from triton import knobs
 from triton.runtime import driver
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, mangle_type
 
 # Keys hold int values (sizes): a workload with many sequence lengths would grow the cache without bound.
 MAX_ENTRIES = 4096
@@ -134,14 +136,19 @@ class _CallRecord:
     def add(self, compiled, trailing, grid, device, args):
         self.device = device
         literals = list(args)
-        pointers = []  # (position, root index or -1 for scratch, byte offset)
+        # (position, root index or -1 for scratch, byte offset, None or a descriptor's (shape, strides, padding))
+        pointers = []
         for pos, arg in enumerate(args):
+            template = None
+            if _is_descriptor(arg):
+                template = tuple(arg.shape), tuple(arg.strides), arg.padding
+                arg = arg.base
             if not isinstance(arg, torch.Tensor):
                 continue
             literals[pos] = None
             root = self.root_index.get(id(arg))
             if root is not None:
-                pointers.append((pos, root, 0))
+                pointers.append((pos, root, 0, template))
                 continue
             storage = arg.untyped_storage()
             region = storage.data_ptr(), storage.nbytes()
@@ -156,7 +163,7 @@ class _CallRecord:
                     return
                 self.scratch[region] = self.scratch_bytes
                 self.scratch_bytes += -(-region[1] // self.SCRATCH_ALIGN) * self.SCRATCH_ALIGN
-            pointers.append((pos, -1, self.scratch[region] + arg.data_ptr() - region[0]))
+            pointers.append((pos, -1, self.scratch[region] + arg.data_ptr() - region[0], template))
         self.launches.append((compiled, trailing, _grid_xyz(grid), tuple(literals), tuple(pointers)))
 
     def same_launches(self, other):
@@ -173,17 +180,49 @@ class _CallRecord:
         stream = driver.active.get_current_stream(self.device)
         for compiled, trailing, grid_xyz, literals, pointers in self.launches:
             args = list(literals)
-            for pos, root, offset in pointers:
-                args[pos] = (scratch_ptr if root < 0 else root_ptrs[root]) + offset
+            for pos, root, offset, template in pointers:
+                address = (scratch_ptr if root < 0 else root_ptrs[root]) + offset
+                args[pos] = address if template is None else _DescriptorAt(address, *template)
             _call_compiled(compiled, trailing, grid_xyz, stream, args)
         # The scratch goes back to the caching allocator now: stream-ordered, so only work queued after these
         # launches can reuse it, as with the scratch tensors of a call that is not replayed.
         del scratch
 
 
+class _Address:
+    """A device pointer where the launcher asks a descriptor's base for ``data_ptr()``."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+class _DescriptorAt:
+    """A recorded host tensor descriptor with another base: the fields Triton's launcher reads to encode it
+    (``make_tensordesc_arg``: base, shape, strides, padding; the block and layout are the compiled kernel's)."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, address, shape, strides, padding):
+        self.base = _Address(address)
+        self.shape, self.strides, self.padding = list(shape), list(strides), padding
+
+
+def _is_descriptor(arg):
+    """A host tensor descriptor (``triton.tools.tensor_descriptor`` or Gluon's): a tensor base and a block."""
+    return hasattr(arg, "block_shape") and isinstance(getattr(arg, "base", None), torch.Tensor)
+
+
 def _spec(arg):
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if _is_descriptor(arg):
+        # What Triton specializes a descriptor on (dtype, block, layout); its base is 16-byte aligned by construction.
+        return "tensordesc", mangle_type(arg)
     if isinstance(arg, float):
         return float  # Triton does not specialize on float values
     if isinstance(arg, bool):
@@ -199,14 +238,15 @@ def _jit_only():
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, through the compiled kernel's launcher once it is known.
 
-    ``args``: the kernel's leading parameters, in order (tensors, ints, None), the first a tensor on the
-    current device (CPU tensors go through the JIT); ``kwargs``: constexprs by name and launch options
-    (num_warps, num_stages, maxnreg), none of them tensors.
+    ``args``: the kernel's leading parameters, in order (tensors, host tensor descriptors, ints, None), the first
+    a tensor or descriptor on the current device (CPU tensors go through the JIT); ``kwargs``: constexprs by name
+    and launch options (num_warps, num_stages, maxnreg), none of them tensors.
     """
-    if not (isinstance(kernel, JITFunction) and args[0].is_cuda) or _jit_only():
+    first = args[0].base if _is_descriptor(args[0]) else args[0]
+    if not (isinstance(kernel, JITFunction) and first.is_cuda) or _jit_only():
         kernel[grid](*args, **kwargs)
         return
-    device = args[0].device.index  # the caller runs under torch.cuda.device(this device)
+    device = first.device.index  # the caller runs under torch.cuda.device(this device)
     plan = _active_plan.get()
     if plan is not None:
         slot = (plan.key, plan.ordinal)

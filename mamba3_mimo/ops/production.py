@@ -161,9 +161,10 @@ class ScanConfig:
     gluon_scan: the state scans (whichever schedule) run as the warp-specialized Gluon kernel of
     ``gluon_state_scan.py`` (a TMA producer warp, a wgmma consumer warpgroup; one chunk a step, its own N/2 tile
     of 64 and ring depth) where it applies (``gluon_state_scan.unsupported``: a Hopper GPU, bf16 k and states, N a
-    multiple of 128, a P tile of 32 or 64, ...), else the Triton scans.  Such a call is not replayed (the kernel
-    takes host tensor descriptors).  GPU-tested and timed on an H100 (whole calls -8 to -13% on five N = 128 / 256
-    official shapes); ``DISPATCH_SWEPT_KNOBS`` sets it (docs/optimization.md section 33).
+    multiple of 128, a P tile of 32 or 64, ...), else the Triton scans.  Its launches replay with the rest of the
+    call (``launch.py`` rebuilds their host tensor descriptors).  GPU-tested and timed on an H100 (whole calls -8
+    to -13% on five N = 128 / 256 official shapes); ``DISPATCH_SWEPT_KNOBS`` sets it (docs/optimization.md section
+    33).
     """
 
     block_p: int
@@ -482,7 +483,6 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
 
         if gluon_state_scan.unsupported(**scan, states=handoff) is None:
             gluon = gluon_state_scan
-            forbid_replay()  # its launches take host tensor descriptors, which a call replay would not rebuild
     seg_entry = entry_decay = None
     if local:
         if gluon:
