@@ -113,6 +113,10 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
         raise ValueError(f"token_tables: rotation_dtype must be float32, float16 or bfloat16, got {rotation_dtype}")
     B, H, S = dt.shape
     RD = angles.shape[3]
+    # The approximate units' 2^-20.9 absolute error is below a 16-bit table's rounding but ~4x fp32's: fp32 tables
+    # (fp32 activations) take libdevice's cos / sin, or the outputs' worst relative errors reach 10x the fp32
+    # reference's (states MARE, GPU, tests/test_kernels.py::test_production_half_rotation[fp32-out-fused-ranks]).
+    fast_trig = host_utils.compiled_for_gpu(angles) and rotation_dtype != torch.float32
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
     rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=rotation_dtype)
     if flat:
@@ -120,11 +124,11 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
         grid = (max(B * H * cdiv(S, FLAT_WEIGHTS), cdiv(n_angles, FLAT_ANGLES)),)
         launch(_flat_token_tables_kernel, grid, dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1],
                S, B * H, n_angles, BLOCK_W=FLAT_WEIGHTS, BLOCK_A=FLAT_ANGLES,
-               FAST_TRIG=host_utils.compiled_for_gpu(angles), num_warps=4)
+               FAST_TRIG=fast_trig, num_warps=4)
         return weights[0], weights[1], rotation[0], rotation[1]
     block_rd = next_power_of_2(max(RD, 1))
     launch(_token_tables_kernel, (cdiv(S, BLOCK_TOKENS), B * H),
         dt, trap, angles, weights[0], weights[1], rotation[0], rotation[1], S, H, RD,
         BLOCK_T=BLOCK_TOKENS, BLOCK_RD=block_rd, ANGLE_ROWS=min(BLOCK_TOKENS, max(1, ANGLES_PER_STEP // block_rd)),
-        FAST_TRIG=host_utils.compiled_for_gpu(angles), num_warps=4)
+        FAST_TRIG=fast_trig, num_warps=4)
     return weights[0], weights[1], rotation[0], rotation[1]

@@ -156,8 +156,8 @@ def fast_cos_sin(theta):
     libdevice's cos and sin take ~40 instructions each plus a slow-path branch (Payne-Hanek, local memory);
     this is ~8 for both.  The reduction (2 pi = 6.28125 + 1.9353e-3 + 1.0253e-11, the first part exact
     in products with |k| < 2^16) is within ~2e-7 of theta mod 2 pi for |theta| < 4e5; cos.approx and
-    sin.approx are within 2^-20.9 absolute on [-pi, pi].  Inline PTX: CUDA only (the interpreter takes
-    ``tl.cos`` / ``tl.sin``).
+    sin.approx are within 2^-20.9 absolute on [-pi, pi]: below a 16-bit table's rounding, not fp32's (token_tables
+    takes it for 16-bit tables only).  Inline PTX: CUDA only (the interpreter takes ``tl.cos`` / ``tl.sin``).
     """
     k = tl.floor(theta * 0.15915494309189535 + 0.5)
     reduced = theta - k * 6.28125
