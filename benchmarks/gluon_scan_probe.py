@@ -33,14 +33,15 @@ from mamba3_mimo.bench import parse_case  # noqa: E402
 from mamba3_mimo.inputs import make_inputs  # noqa: E402
 from mamba3_mimo.ops.chunk_state import chunk_local_states  # noqa: E402
 from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
-    BLOCK_HALF,
     ROLES,
+    STATE_ROWS,
     _gluon_scan_kernel,
     check_shape,
     descriptors,
     gluon_chunk_local_states,
     gluon_chunk_states,
     gluon_segment_end_states,
+    half_columns,
     ring_depth,
     shared_bytes,
 )
@@ -57,7 +58,7 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     shape = parse_case(case)
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     block_p = block_p or min(P, 64)
-    num_buffers = num_buffers or ring_depth(C=C, R=R, block_p=block_p, store_states=ROLES[role][0])
+    num_buffers = num_buffers or ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=ROLES[role][0])
     B, S, H, G = 4, 2048, 16, 1
     # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
@@ -142,10 +143,12 @@ def emulate(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C, HALF, BH, nch = chunk_size, N // 2, BLOCK_HALF, cdiv(S, chunk_size)
+    # BH: the columns of each half a program holds (at N = 64 the kernel stacks its two 32-row halves in one
+    # accumulator: the same arithmetic as two pieces here).
+    C, HALF, BH, nch = chunk_size, N // 2, half_columns(N), cdiv(S, chunk_size)
     store_states, fold_earlier, store_end = ROLES[role]
     if states is None:
-        states = torch.empty((1, 1, 1, BH, block_p), dtype=torch.bfloat16)
+        states = torch.empty((1, 1, 1, STATE_ROWS, block_p), dtype=torch.bfloat16)
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=C, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states, chunk_size=C,
@@ -281,10 +284,10 @@ def _compare_roles(inputs, *, run, device, dot_dtype, num_warps):
 
 
 def small_problem(N, device="cpu"):
-    """A small bf16 problem for the role checks: at N = 128 two head groups and two P tiles, at N = 256 two N/2
-    tiles, both rotated (RD = N/2); dA_scale 0.1 makes a segment decay by ~e^-1, so that the fold of earlier
-    segments weighs in."""
-    shape = (dict(B=1, S=256, H=4, G=2, N=128, P=128, R=4, chunk_size=16) if N == 128 else
+    """A small bf16 problem for the role checks: at N = 64 (the halves stacked) and N = 128 two head groups and two
+    P tiles, at N = 256 two N/2 tiles, both rotated (RD = N/2); dA_scale 0.1 makes a segment decay by ~e^-1, so that
+    the fold of earlier segments weighs in."""
+    shape = (dict(B=1, S=256, H=4, G=2, N=N, P=128, R=4, chunk_size=16) if N in (64, 128) else
              dict(B=1, S=128, H=2, G=1, N=256, P=64, R=4, chunk_size=8, rotary_dim_divisor=2))
     if device != "cpu":
         shape["B"] = 2
@@ -368,18 +371,18 @@ def time_case(case, reps):
 
 
 GLUON_CASES = ["N256_P64_R4_C8", "N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8", "N128_P64_R8_C8",
-               "N128_P64_R2_C32", "N128_P64_R1_C64"]
+               "N128_P64_R2_C32", "N128_P64_R1_C64", "N64_P64_R4_C16", "N64_P128_R4_C16"]
 
 
 def compile_records(case, roles, with_production=False):
     """--compile-only's records for one case: each role compiled at the P tile and ring depth the wrappers choose."""
     shape = parse_case(case)
-    C, R, block_p = shape["chunk_size"], shape["R"], min(shape["P"], 64)
+    C, R, N, block_p = shape["chunk_size"], shape["R"], shape["N"], min(shape["P"], 64)
     records = [dict(case=case, kernel="production storing scan", **production_summary(case))] if with_production else []
     for role in roles:
         store_states = ROLES[role][0]
-        depth = ring_depth(C=C, R=R, block_p=block_p, store_states=store_states)
-        model = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, store_states=store_states)
+        depth = ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=store_states)
+        model = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, N=N, store_states=store_states)
         records.append(dict(case=case, role=role, block_p=block_p, num_buffers=depth, shared_model=model,
                             **summary(compile_for_sm90(case, role=role, block_p=block_p, num_buffers=depth))))
     return records
@@ -398,7 +401,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     records = []
     if not args.compile_only:
-        for N in (128, 256):
+        for N in (64, 128, 256):
             records.append(dict(case=f"small N={N}", **check_small(N=N)))
             print(records[-1], flush=True)
     for case in args.cases:

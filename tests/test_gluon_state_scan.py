@@ -50,7 +50,7 @@ def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
     found = compiled[case, role]
     shape = gluon_scan_probe.parse_case(case)
     assert found["num_buffers"] == gluon_state_scan.ring_depth(C=shape["chunk_size"], R=shape["R"],
-                                                               block_p=found["block_p"],
+                                                               block_p=found["block_p"], N=shape["N"],
                                                                store_states=gluon_state_scan.ROLES[role][0])
     # The producer warp gives its registers back (24 idle, 40 working) and the consumer warpgroup takes them.
     assert gluon_state_scan.PRODUCER_REGISTERS.value in found["setmaxnreg"]
@@ -67,10 +67,14 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
     assert gluon_state_scan.ring_depth(C=16, R=4, block_p=64) == 2
     assert gluon_state_scan.ring_depth(C=64, R=1, block_p=64) == 1
     assert gluon_state_scan.ring_depth(C=8, R=4, block_p=64) == 3
+    # N = 64 holds half the bytes a stage and in the operands: N64_P64_R4_C16 takes 3 (63.5 KB).
+    assert gluon_state_scan.ring_depth(C=16, R=4, block_p=64, N=64) == 3
+    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64) == 63_488
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(N=64), "multiple of 128"),
+    (dict(N=96), "N = 64 or a multiple of 128"),
+    (dict(N=32), "N = 64 or a multiple of 128"),
     (dict(P=96), "P tile"),
     (dict(P=128, block_p=128), "P tile"),
     (dict(R=3), "power of two"),
@@ -86,7 +90,7 @@ def test_probe_refuses_shapes_its_boxes_do_not_cover(change, message):
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("N, num_buffers", [(128, 1), (128, 2), (256, None)])
+@pytest.mark.parametrize("N, num_buffers", [(64, 1), (64, None), (128, 1), (128, 2), (256, None)])
 def test_probe_matches_the_production_scans_and_the_golden(N, num_buffers):
     # Outputs start as NaN: an element the probe leaves unwritten reads as an infinite error.
     errors = gluon_scan_probe.check_small(N=N, num_buffers=num_buffers)
@@ -102,7 +106,7 @@ def test_probe_matches_the_production_scans_on_official_shapes(case):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the production scans run on CPU tensors in the interpreter here")
-@pytest.mark.parametrize("N", [128, 256])
+@pytest.mark.parametrize("N", [64, 128, 256])
 def test_emulated_programs_match_the_production_scans_and_the_golden(N):
     # The kernel's boxes, fold and index arithmetic in each role, replayed in torch from its own descriptors (Gluon
     # cannot run here); the production scans run in the interpreter.
@@ -148,10 +152,10 @@ def test_gluon_scan_knob_is_inert_where_the_kernel_does_not_apply(device, monkey
     """Off Hopper (here: the interpreter) and on shapes its boxes do not cover, ``gluon_scan`` runs the Triton scans:
     the same launches, the same outputs bit for bit, no Gluon call."""
     calls = _spy_on_gluon_wrappers(monkeypatch)
-    # N = 64 is outside the kernel's boxes, so a Hopper GPU falls back as well.
-    inputs = make_inputs(B=1, S=48, H=2, G=1, N=64, P=32, R=2, chunk_size=16, dtype=torch.bfloat16, seed=3,
+    # N = 32 is outside the kernel's boxes, so a Hopper GPU falls back as well.
+    inputs = make_inputs(B=1, S=48, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=torch.bfloat16, seed=3,
                          device=device)
-    base = choose_config(B=1, H=2, S=48, N=64, P=32, R=2, chunk_size=16, num_sms=4)
+    base = choose_config(B=1, H=2, S=48, N=32, P=32, R=2, chunk_size=16, num_sms=4)
     outputs = [api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production",
                            config=dataclasses.replace(base, gluon_scan=knob)) for knob in (False, True)]
     for plain, with_knob in zip(*outputs):
@@ -160,10 +164,13 @@ def test_gluon_scan_knob_is_inert_where_the_kernel_does_not_apply(device, monkey
     assert calls == []
 
 
-# Official-grid-like shapes the kernel covers, at test size: local states over two P tiles and two head groups;
-# the two passes there; N = 256 (two N/2 tiles) in two passes at C = 8.
+# Official-grid-like shapes the kernel covers, at test size: local states over two P tiles and two head groups at
+# N = 128 and at N = 64 (the halves stacked); N = 64 at R = 2 in two passes; N = 128 in two passes over two P tiles
+# and two head groups; N = 256 (two N/2 tiles) in two passes at C = 8.
 GLUON_PRODUCTION_CASES = [
     dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True),
+    dict(N=64, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True),
+    dict(N=64, P=64, R=2, chunk_size=16, S=192, H=2, G=1, local_states=False),
     dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=False),
     dict(N=256, P=64, R=4, chunk_size=8, S=128, H=2, G=1, local_states=False),
 ]
@@ -183,7 +190,7 @@ def test_production_with_gluon_scan_matches_the_reference(check_kernel, monkeypa
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES[:2], ids=["local", "two"])
+@pytest.mark.parametrize("case", [GLUON_PRODUCTION_CASES[0], GLUON_PRODUCTION_CASES[3]], ids=["local", "two"])
 def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, case):
     """The second call of a signature replays the whole call, the Gluon launches with their descriptors rebuilt
     around the new tensors (no host wrapper runs), into NaN-poisoned outputs; bitwise equal to the same call

@@ -42,6 +42,14 @@ from .launch import launch
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 BLOCK_HALF = 64  # columns of each N/2 half a program holds: one 128-byte swizzled bf16 box row
+STATE_ROWS = 64  # rows of a wgmma accumulator (one warpgroup's M)
+_STATE_ROWS = gl.constexpr(STATE_ROWS)  # the same, for the kernels
+
+
+def half_columns(N):
+    """Columns of each N/2 half a program holds: 64, or N/2 = 32 at N = 64, where the two halves are stacked into
+    one 64-row accumulator (wgmma's M is 64 rows)."""
+    return min(BLOCK_HALF, N // 2)
 
 PRODUCER_REGISTERS = gl.constexpr(40)
 
@@ -89,9 +97,15 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
               BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr,
               STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
-    BLOCK_HALF: gl.constexpr = a_lo_smem.type.shape[1]
+    BLOCK_HALF: gl.constexpr = k_lo_bufs.type.shape[3]
+    # N = 64: the halves' 32 rows each are stacked in one [64, P tile] state (rows n, as in memory).
+    STACKED: gl.constexpr = BLOCK_HALF < _STATE_ROWS
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
-    k_layout: gl.constexpr = _rows_layout(BLOCK_HALF, num_warps)
+    if STACKED:
+        # 32-column tiles: 4 columns (8 bytes) a thread, a warp's lanes over 4 rows, not one 2-byte column a lane.
+        k_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    else:
+        k_layout: gl.constexpr = _rows_layout(BLOCK_HALF, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
     acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
     token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
@@ -99,11 +113,12 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
 
     # Columns past RD are not rotated; their boxes hold the next head's angles (zeros past the table's end).
     rotated = (n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
-    rows = n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(1, acc_layout))
+    rows = n0 + gl.arange(0, _STATE_ROWS, gl.SliceLayout(1, acc_layout))
     cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
     tile = rows[:, None] * P + cols[None, :]
-    state_lo = gl.zeros([BLOCK_HALF, BLOCK_P], gl.float32, acc_layout)
-    state_hi = gl.zeros([BLOCK_HALF, BLOCK_P], gl.float32, acc_layout)
+    # Stacked, state_lo is the whole state and state_hi is not used.
+    state_lo = gl.zeros([_STATE_ROWS, BLOCK_P], gl.float32, acc_layout)
+    state_hi = gl.zeros([_STATE_ROWS, BLOCK_P], gl.float32, acc_layout)
     if FOLD_EARLIER:
         # The storing pass of two: s <- exp(segment log decay) s + end state, over the earlier segments.
         chunk = gl.arange(0, BLOCK_SEG_CHUNKS, scalar_layout)
@@ -113,7 +128,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
                                                   other=0.0), axis=0))
             end_state = seg_state_ptr + (bh * N_SEGMENTS + earlier) * N * P + tile
             state_lo = state_lo * segment_decay + gl.load(end_state)
-            state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
+            if not STACKED:
+                state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
     # The per-token weights and the chunk decay are a few floats a chunk: loaded one chunk ahead from global memory
     # (1-D TMA boxes of them would land at shared addresses short of TMA's 128-byte alignment).
     token = gl.arange(0, C, token_layout)
@@ -135,10 +151,12 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
             # chunk's store has had a whole step to finish reading its buffers.
             tma.store_wait(0)
             out_lo_smem.store(state_lo.to(gl.bfloat16))
-            out_hi_smem.store(state_hi.to(gl.bfloat16))
+            if not STACKED:
+                out_hi_smem.store(state_hi.to(gl.bfloat16))
             fence_async_shared()
             tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + n0, p0], out_lo_smem)
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi_smem)
+            if not STACKED:
+                tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi_smem)
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         decay = gl.exp(log_decay)
@@ -153,8 +171,14 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
                 gl.SliceLayout(0, k_layout))[None, :]
             k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_hi_smem.index(r).load(
                 gl.SliceLayout(0, k_layout))[None, :]
-            a_lo_smem.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
-            a_hi_smem.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
+            if STACKED:
+                # One [C, 64] row block [lo | hi] (joined in registers: one store, where two column slices took a
+                # barrier more a rank).
+                pairs = gl.join((cos * k_lo - sin * k_hi).to(gl.bfloat16), (sin * k_lo + cos * k_hi).to(gl.bfloat16))
+                a_lo_smem.slice(r * C, C).store(gl.reshape(gl.permute(pairs, (0, 2, 1)), [C, 2 * BLOCK_HALF]))
+            else:
+                a_lo_smem.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
+                a_hi_smem.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
             psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))
             psiv_smem.slice(r * C, C).store((v_weighted * psi[None, :]).to(gl.bfloat16))
         # Orders this partition's shared-memory reads and writes before the producer's next TMA into the stage and
@@ -162,8 +186,11 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
         fence_async_shared()
         mbarrier.arrive(empty.index(stage), count=1)
         state_lo = warpgroup_mma(a_lo_smem.permute((1, 0)), psiv_smem, state_lo * decay, is_async=True)
-        state_hi = warpgroup_mma(a_hi_smem.permute((1, 0)), psiv_smem, state_hi * decay, is_async=True)
-        state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
+        if STACKED:
+            state_lo = warpgroup_mma_wait(0, deps=(state_lo,))
+        else:
+            state_hi = warpgroup_mma(a_hi_smem.permute((1, 0)), psiv_smem, state_hi * decay, is_async=True)
+            state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
     if STORE_STATES:
         tma.store_wait(0)
     if STORE_END:
@@ -171,7 +198,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
         end_state = seg_state_ptr + (bh * N_SEGMENTS + seg) * N * P + tile
         end_mask = (rows[:, None] < N) & (cols[None, :] < P) & (seg < N_SEGMENTS - 1)
         gl.store(end_state, state_lo, mask=end_mask)
-        gl.store(end_state + HALF * P, state_hi, mask=end_mask)
+        if not STACKED:
+            gl.store(end_state + HALF * P, state_hi, mask=end_mask)
 
 
 @gluon.jit
@@ -187,6 +215,7 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
     (``chunk_state.py``)."""
     HALF: gl.constexpr = N // 2
     BLOCK_HALF: gl.constexpr = k_desc.block_type.shape[2]
+    STACKED: gl.constexpr = BLOCK_HALF < _STATE_ROWS  # N = 64: one [64, P tile] accumulator holds both halves
     P_TILES: gl.constexpr = P // BLOCK_P
     n0 = gl.program_id(0) // P_TILES * BLOCK_HALF
     pid_p = gl.program_id(0) % P_TILES
@@ -211,13 +240,20 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
         mbarrier.init(empty.index(i), count=1)
 
     # The update's operands, rows (rank, token): A = k~ per half (read transposed), B = the weighted psiv.
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_HALF], gl.bfloat16)
-    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_HALF], a_layout)
-    a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_HALF], a_layout)
+    # Stacked (N = 64), one [R * C, 64] operand holds both halves side by side; a_hi_smem and out_hi_smem are not used.
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, _STATE_ROWS], gl.bfloat16)
+    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, _STATE_ROWS], a_layout)
+    if STACKED:
+        a_hi_smem = a_lo_smem
+    else:
+        a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, _STATE_ROWS], a_layout)
     psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_P],
                                           gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_P], gl.bfloat16))
     out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
-    out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
+    if STACKED:
+        out_hi_smem = out_lo_smem
+    else:
+        out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
 
     # The head's k bias and Psi tile, read once into shared memory: a rank's row is then one shared load a chunk.
     # Rank-1 layouts: a row of the [R, cols] buffers is indexed out as a vector.
@@ -250,8 +286,9 @@ def shape_problems(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
     ``dtypes``: (k, the rotation tables, states)."""
     C = chunk_size
     problems = []
-    if N % (2 * BLOCK_HALF):
-        problems.append(f"N a multiple of 128 (64-column boxes of each half), got N={N}")
+    if N % (2 * BLOCK_HALF) and N != STATE_ROWS:
+        # wgmma's accumulators are 64 rows: two 64-row halves, or at N = 64 both 32-row halves stacked.
+        problems.append(f"N = 64 or a multiple of 128, got N={N}")
     # A swizzled box row is at most 128 bytes: 64 bf16 columns.
     if block_p not in (32, 64) or P % block_p:
         problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
@@ -300,7 +337,7 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C, HALF = chunk_size, BLOCK_HALF
+    C, HALF = chunk_size, half_columns(N)
     nch = states.shape[2]
     states_rows = states.shape[0] * states.shape[1] * nch * states.shape[3]
 
@@ -315,7 +352,7 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
         cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
         sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
         v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
-        states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [HALF, block_p]),
+        states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [STATE_ROWS, block_p]),
     )
 
 
@@ -340,12 +377,12 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
     # producer's 40 leave the consumer warpgroup 232.
-    launch(_gluon_scan_kernel, (N // 2 // BLOCK_HALF * (P // block_p), segments_launched, B * H),
+    launch(_gluon_scan_kernel, (max(1, N // 2 // BLOCK_HALF) * (P // block_p), segments_launched, B * H),
            found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"], found["states_desc"],
            da_cs_rev, trap_scale, da_cs, k_bias, mimo_v, seg_state,
            S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
-           NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, store_states=store_states),
+           NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states),
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
 
@@ -369,7 +406,7 @@ def gluon_chunk_local_states(*, states, n_segments, seg_state=None, num_buffers=
 @functools.lru_cache(maxsize=None)
 def _unused_states(device, block_p):
     """A one-box bf16 tensor standing in for the states descriptor where no state is stored (made once)."""
-    return torch.empty((1, 1, 1, BLOCK_HALF, block_p), device=device, dtype=torch.bfloat16)
+    return torch.empty((1, 1, 1, STATE_ROWS, block_p), device=device, dtype=torch.bfloat16)
 
 
 def gluon_segment_end_states(*, n_segments, seg_state=None, num_buffers=None, **scan):
@@ -392,18 +429,19 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
             n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
 
 
-def shared_bytes(*, C, R, block_p, num_buffers, store_states=True):
-    """The kernel's shared memory, whatever N is (a program holds a [2 x 64, P tile] piece): the ring's stages plus
-    the update's operands, the bias / Psi rows and, where it stores states, the two state-store buffers (the compiler
-    adds barriers and alignment: 236-268 bytes more on the official shapes)."""
-    half = BLOCK_HALF
+def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True):
+    """The kernel's shared memory, the same for any N of 128 or more (a program holds a [2 x 64, P tile] piece; at
+    N = 64 [2 x 32, P tile], half the k, table, operand and store bytes): the ring's stages plus the update's
+    operands, the bias / Psi rows and, where it stores states, the state-store buffers (the compiler adds barriers
+    and alignment: 236-268 bytes more on the official shapes)."""
+    half = half_columns(N)
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
     return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
 
 
-def ring_depth(*, C, R, block_p, store_states=True):
+def ring_depth(*, C, R, block_p, N=128, store_states=True):
     """The deepest ring (1 to 3 stages) whose shared memory stays within the 99 KB bound, with 768 bytes for
     what the model leaves out."""
-    return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth,
+    return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, N=N,
                                                                 store_states=store_states) + 768 <= SMEM_LIMIT])
