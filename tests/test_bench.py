@@ -119,7 +119,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     low-register order on the local-state shapes with bf16 products, except where the scan loads ahead (N64_P128);
     never in the two-pass shapes (N256, N128_P128, N16 without Z) nor with fp32 tables; the D skip in the gate's
     math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
-    where it applies, section 33).  Everything else as without them; the defaults take them."""
+    where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34).  Everything else
+    as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
@@ -127,8 +128,11 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
-             "gluon_scan", "out_max_registers")
-    assert not any(getattr(plain, name) for name in knobs[:-1])
+             "gluon_scan", "out_max_registers", "n_segments")
+    assert not any(getattr(plain, name) for name in knobs[:-2])
+    gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
+    assert config.n_segments == (2 * 132 // gluon_programs if parse_case(case)["N"] == 64 and config.local_states
+                                 else plain.n_segments)
     assert dataclasses.replace(config, **{name: getattr(plain, name) for name in knobs}) == plain
     half = half_tables and config.local_states and not config.scan_prefetch
     assert half is (half_tables and case not in ("N256_P64_R4_C8", "N128_P128_R4_C8", "N64_P128_R4_C16")
@@ -164,7 +168,7 @@ def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segmen
     segment (sweep of f67b954); the 64-wide tiles keep theirs.  The [2 x 32, 64] tile of N64_P128 loads a step
     ahead at 2 programs an SM instead (sweeps of f57a6ee)."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132, has_z=has_z,
-                           half_tables=half_tables)
+                           half_tables=half_tables, swept_knobs=False)  # the Triton scan's rule (the Gluon one above)
     prefetch = half_tables and (config.block_half, config.block_p) in PREFETCH_SCAN_RESIDENCY
     if prefetch:
         segments = half_table_segments

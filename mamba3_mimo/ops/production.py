@@ -72,6 +72,8 @@ HALF_TABLE_SCAN_RESIDENCY = {64: (2, 0), 32: (4, 128), 16: (5, 96)}
 PREFETCH_SCAN_RESIDENCY = {(32, 64): 2}
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
+# Gluon state scan programs an SM (gluon_state_scan.py: 8 hardware warps at 128 registers a thread).
+GLUON_SCAN_PROGRAMS_PER_SM = 2
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # The knobs the sweeps of 01845e8 chose (docs/optimization.md sections 30-31): d_in_gate on the split shapes with
@@ -330,6 +332,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # N64_P64_R4_C16 403 -> 400) and a [2 x 64, 64] tile loses (N128_P64_R4_C16 411 -> 595, state scan 122 -> 304).
     # Two chunks at most: the only count timed to win (four spans' products each cover the whole span's rows).
     state_span_chunks = min(span_chunks, 2) if N <= 64 else 1
+    swept = DISPATCH_SWEPT_KNOBS if swept_knobs is None else swept_knobs
+    if swept and local_states and N == 64:
+        # The Gluon scan (gluon_scan, below) at N = 64: one wave of its programs (two an SM, a [64, P tile] state
+        # each), fewer segments than the Triton scan's residency asks for, and so less fix-up for chunk_scan and
+        # segment_entry.  Sweep of 92ae56c (2026-12-05_h200_sweep_92ae56c_n64.json, graph us, Gluon scan at 4 -> 2
+        # segments): N64_P64_R4_C16 320 -> 299 (chunk_scan 144 -> 138, segment_entry 15 -> 3, scan 81 -> 79);
+        # N64_P128_R4_C16 is at 2 already (427; 1 segment 459, 4 455).  Not timed at N >= 128 (N128_P32 would go
+        # from 4 to 2).  Where the Gluon scan does not apply (off Hopper) the Triton scan runs at this count.
+        want_segments = max(1, GLUON_SCAN_PROGRAMS_PER_SM * num_sms // (B * H * cdiv(P, block_p)))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
     # from 128 to 234 registers (1 CTA per SM instead of 2); the partials it saves are small.
@@ -352,7 +363,6 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # others within 1% (N64_P128 378 -> 385).  Not at P = 128: there gate_grads with the D skip spills 14 B at its
     # 128-register cap (none at P = 64, R = 4) and takes 99 -> 118 / 100 -> 121 us, more than chunk_scan saves
     # (N128_P128 812 -> 815, N64_P128 464 -> 466 with Z, 378 -> 385 without; optimization.md section 31).
-    swept = DISPATCH_SWEPT_KNOBS if swept_knobs is None else swept_knobs
     d_in_gate = bool(swept and split_gate and p_pow <= 64)
     # q's and k's bias add and rotation in bf16 (scan_half_rotation, out_half_rotation; optimization.md 29-30) with
     # chunk_scan's low-register order (out_q_cast_early, out_y_state_early) and, at N = 128, its 128-register cap
