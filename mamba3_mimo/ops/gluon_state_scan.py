@@ -12,13 +12,14 @@ split (section 32).  Here Gluon (``triton.experimental.gluon``) states the split
   releases the stage and runs ``state = decay * state + k~^T @ psiv`` as two wgmma, one per N/2 half, into
   [64, P tile] fp32 accumulators; entering states leave through shared memory as asynchronous TMA stores.
 
-One program per (N/2 tile x P tile, segment, (b, h)), each holding a [2 x 64, P tile] piece of the state, in the
+One program per (N/2 tile x P tile, segment, (b, h)), each holding a [2 x 64, P tile] piece of the state (at N = 64
+the whole [2 x 32, P tile] state, its halves stacked in one 64-row accumulator: ``half_columns``), in the
 production scan's three roles (``ROLES``), with the same arguments as its wrappers.  What it covers
-(``unsupported``): a Hopper GPU, bf16 k and states, fp16 or bf16 rotation tables, N a multiple of 128, a P tile of
-32 or 64, C a multiple of 8, R a power of two, C * R a multiple of 16 up to 256, S a multiple of C, 16-byte aligned
-tensors.  ``ScanConfig.gluon_scan`` routes the production path's scans here where it applies; Gluon does not run in
-the Triton interpreter, so its values are tested on the GPU (``tests/test_gluon_state_scan.py``) and its index
-arithmetic on the CPU by a replay in torch (``benchmarks/gluon_scan_probe.py``).
+(``unsupported``): a Hopper GPU, bf16 k and states, fp16 or bf16 rotation tables, N = 64 or a multiple of 128, a P
+tile of 32 or 64, C a multiple of 8, R a power of two, C * R a multiple of 16 up to 256, S a multiple of C, 16-byte
+aligned tensors.  ``ScanConfig.gluon_scan`` routes the production path's scans here where it applies; Gluon does not
+run in the Triton interpreter, so its values are tested on the GPU (``tests/test_gluon_state_scan.py``) and its
+index arithmetic on the CPU by a replay in torch (``benchmarks/gluon_scan_probe.py``).
 """
 
 import functools

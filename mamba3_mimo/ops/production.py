@@ -162,8 +162,8 @@ class ScanConfig:
     at 8 warps, lose to 2048 at 4 in the sweep of f4a1969: docs/optimization.md section 26).
     gluon_scan: the state scans (whichever schedule) run as the warp-specialized Gluon kernel of
     ``gluon_state_scan.py`` (a TMA producer warp, a wgmma consumer warpgroup; one chunk a step, its own N/2 tile
-    of 64 and ring depth) where it applies (``gluon_state_scan.unsupported``: a Hopper GPU, bf16 k and states, N a
-    multiple of 128, a P tile of 32 or 64, ...), else the Triton scans.  Its launches replay with the rest of the
+    of 64 and ring depth) where it applies (``gluon_state_scan.unsupported``: a Hopper GPU, bf16 k and states, N = 64
+    or a multiple of 128, a P tile of 32 or 64, ...), else the Triton scans.  Its launches replay with the rest of the
     call (``launch.py`` rebuilds their host tensor descriptors).  GPU-tested and timed on an H100 (whole calls -8
     to -13% on five N = 128 / 256 official shapes); ``DISPATCH_SWEPT_KNOBS`` sets it (docs/optimization.md section
     33).
