@@ -1,0 +1,530 @@
+"""A first Gluon form of chunk_scan (the output stage's raw_y), for the two-pass schedule: compiled, emulated, not run.
+
+    python benchmarks/gluon_chunk_scan_probe.py --compile-only   # no GPU: compiled for sm_90, resources and SASS
+    python benchmarks/gluon_chunk_scan_probe.py --emulate        # no GPU: its programs replayed in torch against
+                                                                 # the production chunk_scan (interpreter)
+
+Not in the package and never run on a GPU (written in the twenty-fifth session after its device time was spent):
+the next device session's candidate for docs/optimization.md section 34's plan.  What it computes is
+``chunk_scan(raw_y=...)`` of ``mamba3_mimo/ops/chunk_scan.py`` with the entering states of the two-pass schedule
+(no segment-entry term): per (P tile, chunk, (b, h)),
+
+    scores = q~ k~^T                                       [R * C, R * C], rows (rank, token): rank-major here
+    raw_y  = (scores * W) psiv + exp(da_cs) (q~ state_in) + D psiv          [R * C, P tile]
+
+with the same-token blocks of the scores stored as qk_dot by the first P tile, and raw_y stored as fp16 scaled by
+a power of two per row (``fp16_row_scaled``) with its inverse in raw_y_scale, as gate_grads reads them.
+
+One program, one warpgroup, no producer partition: the chunks are independent, so every box of a program is asked
+for at once on one mbarrier (q and k as [R, C, 64] boxes of [R, B * S, G * N] views, rank-major as in the Gluon state
+scan; cos / sin [C, 64]; v [C, P tile]; the entering state as [64, P tile] bf16 boxes, the B operand of q~ @ state
+as they land), and the programs resident on an SM hide each other's loads.  q and k are rotated in place in shared
+memory; three wgmma chains: scores (K = N), q~ @ state (K = N), then the weighted scores as bf16 times psiv.
+Scope: N a multiple of 128, R * C = 64 (wgmma's M for one warpgroup: R4_C16, R8_C8, R2_C32, R1_C64), a P tile of 32
+or 64, S a multiple of C, bf16 q / k / v / states, 16-bit tables.
+"""
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
+from mamba3_mimo.ops.launch import launch  # noqa: E402
+
+# dtypes of the entering states the kernel's boxes take (the CPU wiring test adds fp32, which the interpreter path's
+# state hand-off is, for ``emulate``).
+STATES_DTYPES = (torch.bfloat16,)
+PIECE = 64  # columns of a q / k / cos / sin box and rows of a state box: one 128-byte swizzled bf16 row
+ROWS = 64  # (rank, token) rows of a program: wgmma's M for one warpgroup
+
+
+@gluon.constexpr_function
+def _rows_layout(cols, num_warps):
+    """[rows, cols] elementwise tiles: a warp's lanes across the columns, the warps down the rows."""
+    lanes = min(32, cols)
+    return gl.BlockedLayout([1, max(1, cols // 32)], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(cols, num_warps):
+    """A wgmma accumulator [64, cols] of one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def _rotate_in_place(bufs, cos_bufs, sin_bufs, bias_ptr, h, RD, C: gl.constexpr, R: gl.constexpr,
+                     N: gl.constexpr, num_warps: gl.constexpr):
+    """q or k + its bias, rotated by the tokens' angles, written back over the boxes as bf16.  ``bufs`` [2 * pieces,
+    R, C, 64]: the lo half's pieces, then the hi half's (piece j of each half pairs with the other's)."""
+    HALF: gl.constexpr = N // 2
+    PIECES: gl.constexpr = HALF // 64
+    layout: gl.constexpr = _rows_layout(64, num_warps)
+    col = gl.arange(0, 64, gl.SliceLayout(0, layout))
+    for j in gl.static_range(PIECES):
+        rotated = (j * 64 + col < RD)[None, :]
+        cos = gl.where(rotated, cos_bufs.index(j).load(layout).to(gl.float32), 1.0)
+        sin = gl.where(rotated, sin_bufs.index(j).load(layout).to(gl.float32), 0.0)
+        lo_rows = bufs.index(j).reshape([R * C, 64])
+        hi_rows = bufs.index(PIECES + j).reshape([R * C, 64])
+        for r in gl.static_range(R):
+            bias = bias_ptr + (h * R + r) * N + j * 64 + col
+            x_lo = lo_rows.slice(r * C, C).load(layout).to(gl.float32) + gl.load(bias)[None, :]
+            x_hi = hi_rows.slice(r * C, C).load(layout).to(gl.float32) + gl.load(bias + HALF)[None, :]
+            # Each thread writes back the elements it read (one layout both ways): in place is safe.
+            lo_rows.slice(r * C, C).store((cos * x_lo - sin * x_hi).to(gl.bfloat16))
+            hi_rows.slice(r * C, C).store((sin * x_lo + cos * x_hi).to(gl.bfloat16))
+
+
+@gluon.jit
+def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc, q_bias_ptr, k_bias_ptr,
+                             psi_ptr, d_ptr, v_ptr, da_cs_ptr, gamma_ptr, trap_scale_ptr, qk_dot_ptr, raw_y_ptr,
+                             raw_y_scale_ptr, S, H, G, NCH, RD,
+                             C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
+                             BLOCK_P: gl.constexpr, HAS_D: gl.constexpr, num_warps: gl.constexpr):
+    HALF: gl.constexpr = N // 2
+    PIECES: gl.constexpr = HALF // 64
+    RC: gl.constexpr = R * C
+    P_TILES: gl.constexpr = P // BLOCK_P
+    pid_p = gl.program_id(0)
+    c = gl.program_id(1)
+    bh = gl.program_id(2)
+    b = bh // H
+    h = bh % H
+    g = h // (H // G)
+    p0 = pid_p * BLOCK_P
+    t0 = c * C
+    row = b * S + t0
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * PIECES] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2 * PIECES] + k_desc.block_type.shape, k_desc.layout)
+    cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [PIECES] + cos_desc.block_type.shape, cos_desc.layout)
+    sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [PIECES] + sin_desc.block_type.shape, sin_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    state_bufs = gl.allocate_shared_memory(states_desc.dtype, [2 * PIECES] + states_desc.block_type.shape,
+                                           states_desc.layout)
+    psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [RC, BLOCK_P],
+                                          gl.NVMMASharedLayout.get_default_for([RC, BLOCK_P], gl.bfloat16))
+    mixing_smem = gl.allocate_shared_memory(gl.bfloat16, [RC, RC],
+                                            gl.NVMMASharedLayout.get_default_for([RC, RC], gl.bfloat16))
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+
+    # Every box of the program on one barrier.
+    mbarrier.expect(bar, 2 * 2 * PIECES * q_desc.block_type.nbytes + 2 * PIECES * cos_desc.block_type.nbytes
+                    + v_desc.block_type.nbytes + 2 * PIECES * states_desc.block_type.nbytes)
+    for i in gl.static_range(2 * PIECES):
+        column = g * N + (i // PIECES) * HALF + (i % PIECES) * 64
+        tma.async_copy_global_to_shared(q_desc, [0, row, column], bar, q_bufs.index(i))
+        tma.async_copy_global_to_shared(k_desc, [0, row, column], bar, k_bufs.index(i))
+        tma.async_copy_global_to_shared(states_desc, [(bh * NCH + c) * N + (i // PIECES) * HALF + (i % PIECES) * 64,
+                                                      p0], bar, state_bufs.index(i))
+    for j in gl.static_range(PIECES):
+        tma.async_copy_global_to_shared(cos_desc, [row, h * RD + j * 64], bar, cos_bufs.index(j))
+        tma.async_copy_global_to_shared(sin_desc, [row, h * RD + j * 64], bar, sin_bufs.index(j))
+    tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_smem)
+
+    # Per-(rank, token) row and per-column vectors of the [RC, RC] scores and the [RC, P tile] outputs; rows are
+    # rank-major, row = r * C + t.
+    scores_layout: gl.constexpr = _acc_layout(RC, num_warps)
+    y_layout: gl.constexpr = _acc_layout(BLOCK_P, num_warps)
+    rows = gl.arange(0, RC, gl.SliceLayout(1, scores_layout))
+    cols = gl.arange(0, RC, gl.SliceLayout(0, scores_layout))
+    row_t = rows % C
+    col_t = cols % C
+    disc = bh * S + t0
+    da_row = gl.load(da_cs_ptr + disc + row_t)
+    gamma_row = gl.load(gamma_ptr + disc + row_t)
+    da_col = gl.load(da_cs_ptr + disc + col_t)
+    ts_col = gl.load(trap_scale_ptr + disc + col_t)
+    earlier = row_t[:, None] > col_t[None, :]
+    same = row_t[:, None] == col_t[None, :]
+    weights = gl.where(earlier, gl.exp(gl.where(earlier, da_row[:, None] - da_col[None, :], 0.0)) * ts_col[None, :],
+                       gl.where(same, gamma_row[:, None], 0.0))
+
+    mbarrier.wait(bar, 0)
+    mbarrier.invalidate(bar)
+    _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, C, R, N, num_warps)
+    _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, C, R, N, num_warps)
+    p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
+    p_cols = gl.arange(0, BLOCK_P, gl.SliceLayout(0, p_layout))
+    v_tile = v_smem.load(p_layout).to(gl.float32)
+    for r in gl.static_range(R):
+        psi = gl.load(psi_ptr + (h * R + r) * P + p0 + p_cols)
+        psiv_smem.slice(r * C, C).store((v_tile * psi[None, :]).to(gl.bfloat16))
+    fence_async_shared()
+
+    scores = gl.zeros([RC, RC], gl.float32, scores_layout)
+    y_state = gl.zeros([RC, BLOCK_P], gl.float32, y_layout)
+    for i in gl.static_range(2 * PIECES):
+        q_rows = q_bufs.index(i).reshape([RC, 64])
+        scores = warpgroup_mma(q_rows, k_bufs.index(i).reshape([RC, 64]).permute((1, 0)), scores, is_async=True)
+        y_state = warpgroup_mma(q_rows, state_bufs.index(i), y_state, is_async=True)
+    scores, y_state = warpgroup_mma_wait(0, deps=(scores, y_state))
+
+    if pid_p == 0:
+        # Same-token blocks are qk_dot[t, r, r'] (rotation keeps those dots).
+        qk_offs = ((bh * S + t0 + row_t) * R + rows // C)[:, None] * R + (cols // C)[None, :]
+        gl.store(qk_dot_ptr + qk_offs, scores, mask=same)
+    mixing_smem.store((scores * weights).to(gl.bfloat16))
+    fence_async_shared()
+    raw_y = warpgroup_mma(mixing_smem, psiv_smem, gl.zeros([RC, BLOCK_P], gl.float32, y_layout), is_async=True)
+    raw_y = warpgroup_mma_wait(0, deps=(raw_y,))
+
+    y_rows = gl.arange(0, RC, gl.SliceLayout(1, y_layout))
+    y_cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, y_layout))
+    y_t = y_rows % C
+    y_r = y_rows // C
+    raw_y += gl.exp(gl.load(da_cs_ptr + disc + y_t))[:, None] * y_state
+    if HAS_D:
+        # The D skip in fp32, from v and Psi in the accumulator's layout.
+        v_rows = gl.load(v_ptr + ((b * S + t0 + y_t) * H + h)[:, None] * P + y_cols[None, :]).to(gl.float32)
+        psi_rows = gl.load(psi_ptr + (h * R + y_r)[:, None] * P + y_cols[None, :])
+        raw_y += gl.load(d_ptr + h) * v_rows * psi_rows
+    # fp16 scaled by a power of two per row (triton_utils.fp16_row_scaled, which gate_grads undoes).
+    exp_bits = gl.max(gl.abs(raw_y), axis=1).to(gl.int32, bitcast=True) & 0x7F800000
+    exp_bits = gl.maximum(exp_bits, 27 << 23)
+    scale = ((254 << 23) - exp_bits + (14 << 23)).to(gl.float32, bitcast=True)
+    unscale = (exp_bits - (14 << 23)).to(gl.float32, bitcast=True)
+    seq_rows = (bh * S + t0 + y_t) * R + y_r  # raw_y [B, H, S, R, P] rows (token, rank)
+    gl.store(raw_y_ptr + seq_rows[:, None] * P + y_cols[None, :], (raw_y * scale[:, None]).to(gl.float16))
+    gl.store(raw_y_scale_ptr + seq_rows * P_TILES + pid_p, unscale)
+
+
+def shape_problems(*, S, R, N, P, RD, H, chunk_size, block_p):
+    """What keeps the probe's boxes from covering a problem (empty where they do)."""
+    problems = []
+    if N % 128:
+        problems.append(f"N a multiple of 128, got {N}")
+    if R * chunk_size != ROWS:
+        problems.append(f"R * C = {ROWS} rows (one warpgroup's wgmma M), got R={R}, C={chunk_size}")
+    if block_p not in (32, 64) or P % block_p:
+        problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
+    if S % chunk_size:
+        problems.append(f"S a multiple of C, got S={S}")
+    if (H * RD * 2) % 16:
+        problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {H * RD}")
+    return problems
+
+
+def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
+    """The probe's TMA descriptors (host-side)."""
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = cos_angles.shape[3]
+    C = chunk_size
+    states_rows = states.shape[0] * states.shape[1] * states.shape[2] * states.shape[3]
+
+    def box(tensor, shape, strides, block):
+        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[tensor.dtype]
+        return TensorDescriptor(tensor, list(shape), list(strides), list(block),
+                                gl.NVMMASharedLayout.get_default_for(block, element))
+
+    return dict(
+        q_desc=box(q, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, PIECE]),
+        k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, PIECE]),
+        cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, PIECE]),
+        sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, PIECE]),
+        v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
+        states_desc=box(states, [states_rows, P], [P, 1], [PIECE, block_p]),
+    )
+
+
+def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale,
+                     states, qk_dot, raw_y, raw_y_scale, chunk_size, block_p, **_unused):
+    """``chunk_scan(raw_y=..., raw_y_scale=...)`` with two-pass states (fp16 raw_y), through the probe kernel."""
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = cos_angles.shape[3]
+    problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=chunk_size, block_p=block_p)
+    if problems:
+        raise ValueError("gluon_chunk_scan: needs " + "; ".join(problems))
+    found = descriptors(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
+                        chunk_size=chunk_size, block_p=block_p)
+    # Through ops/launch.py, so that inside a production call it is recorded and replayed with the other launches.
+    launch(_gluon_chunk_scan_kernel, (P // block_p, S // chunk_size, B * H),
+           found["q_desc"], found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"],
+           found["states_desc"], q_bias, k_bias, mimo_v, q_bias if d is None else d, v, da_cs, gamma, trap_scale,
+           qk_dot, raw_y, raw_y_scale, S, H, G, cdiv(S, chunk_size), RD,
+           C=chunk_size, R=R, N=N, P=P, BLOCK_P=block_p, HAS_D=d is not None, num_warps=4)
+
+
+def compile_for_sm90(case, *, block_p=64, has_d=True):
+    """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed."""
+    from gluon_scan_probe import _Shaped
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from mamba3_mimo.bench import parse_case
+
+    shape = parse_case(case)
+    N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
+    B, S, H, G, RD = 4, 2048, 16, 1, N // 4
+    problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=C, block_p=block_p)
+    if problems:
+        raise ValueError(f"{case}: " + "; ".join(problems))
+    base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16)}
+    fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, G, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, G, N)),
+                v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
+                cos_angles=_Shaped(base[torch.float16], (B, S, H, RD)),
+                sin_angles=_Shaped(base[torch.float16], (B, S, H, RD)),
+                states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
+    types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p).items()}
+    types.update({name: "*fp32" for name in ("q_bias_ptr", "k_bias_ptr", "psi_ptr", "d_ptr", "da_cs_ptr", "gamma_ptr",
+                                             "trap_scale_ptr", "qk_dot_ptr", "raw_y_scale_ptr")})
+    types.update(v_ptr="*bf16", raw_y_ptr="*fp16")
+    types.update({name: "i32" for name in ("S", "H", "G", "NCH", "RD")})
+    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, HAS_D=has_d, num_warps=4)
+    types.update({name: "constexpr" for name in constants})
+    signature = {name: types[name] for name in _gluon_chunk_scan_kernel.arg_names}
+    source = GluonASTSource(_gluon_chunk_scan_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale, states, qk_dot,
+            raw_y, raw_y_scale, chunk_size, block_p, **_unused):
+    """The probe's programs in torch on the host (fp32 products): its boxes (``descriptors``, the same coordinates,
+    TMA's zero fill), in-place rotation, weights, products and stores.  Checks the descriptors and the index arithmetic
+    where Gluon cannot run."""
+    from gluon_scan_probe import read_box
+
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    RD = cos_angles.shape[3]
+    C, HALF, RC = chunk_size, N // 2, R * chunk_size
+    pieces = HALF // PIECE
+    found = descriptors(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states, chunk_size=C,
+                        block_p=block_p)
+    t = torch.arange(RC) % C
+    r_of = torch.arange(RC) // C
+    earlier = t[:, None] > t[None, :]
+    same = t[:, None] == t[None, :]
+    for pid_p, c, bh in itertools.product(range(P // block_p), range(S // C), range(B * H)):
+        b, h = divmod(bh, H)
+        g = h // (H // G)
+        p0, t0 = pid_p * block_p, c * C
+        row = b * S + t0
+
+        def rotated(desc, bias):
+            halves = [[read_box(desc, [0, row, g * N + half * HALF + j * PIECE]).float().reshape(RC, PIECE)
+                       for j in range(pieces)] for half in range(2)]
+            out = []
+            for j in range(pieces):
+                cols = j * PIECE + torch.arange(PIECE)
+                spin = cols < RD
+                cos = torch.where(spin, read_box(found["cos_desc"], [row, h * RD + j * PIECE]).float(), 1.0)
+                sin = torch.where(spin, read_box(found["sin_desc"], [row, h * RD + j * PIECE]).float(), 0.0)
+                cos, sin = cos.repeat(R, 1), sin.repeat(R, 1)  # rank-major rows share their token's angles
+                lo = halves[0][j] + bias[h][r_of][:, cols]
+                hi = halves[1][j] + bias[h][r_of][:, HALF + cols]
+                out.append(((cos * lo - sin * hi).bfloat16().float(), (sin * lo + cos * hi).bfloat16().float()))
+            return torch.cat([x for x, _ in out] + [y for _, y in out], dim=1)  # columns: lo pieces, then hi
+
+        q_rot, k_rot = rotated(found["q_desc"], q_bias), rotated(found["k_desc"], k_bias)
+        state = torch.cat([read_box(found["states_desc"], [(bh * S // C + c) * N + half * HALF + j * PIECE, p0])
+                           for half in range(2) for j in range(pieces)]).float()
+        disc = bh * S + t0
+        da = da_cs.reshape(-1)[disc + t]
+        weights = torch.where(earlier, torch.exp(torch.where(earlier, da[:, None] - da[None, :], 0.0))
+                              * trap_scale.reshape(-1)[disc + t][None, :],
+                              torch.where(same, gamma.reshape(-1)[disc + t][:, None], 0.0))
+        scores = q_rot @ k_rot.T
+        if pid_p == 0:
+            qk = qk_dot.view(B * H, S, R, R)[bh, t0:t0 + C]
+            qk[t[same.nonzero()[:, 0]], r_of[same.nonzero()[:, 0]], r_of[same.nonzero()[:, 1]]] = \
+                scores[same].to(qk_dot.dtype)
+        v_tile = read_box(found["v_desc"], [row, h * P + p0]).float()
+        psi = mimo_v[h, :, p0:p0 + block_p]
+        psiv = (v_tile[None] * psi[:, None]).reshape(RC, block_p)
+        out = (scores * weights).bfloat16().float() @ psiv.bfloat16().float() + da.exp()[:, None] * (q_rot @ state)
+        if d is not None:
+            out += d[h] * psiv
+        exp_bits = out.abs().amax(dim=1).view(torch.int32) & 0x7F800000
+        exp_bits = torch.clamp(exp_bits, min=27 << 23)
+        scale = ((254 << 23) - exp_bits + (14 << 23)).view(torch.float32)
+        unscale = (exp_bits - (14 << 23)).view(torch.float32)
+        rows = (bh * S + t0 + t) * R + r_of
+        raw_y.view(-1, P)[rows, p0:p0 + block_p] = (out * scale[:, None]).half()
+        raw_y_scale.view(-1, P // block_p)[rows, pid_p] = unscale
+
+
+def _small_problem(device, seed):
+    """Two chunks a segment of a two-pass schedule over two P tiles (N128_P128_R4_C16 at test size); dA_scale 0.1
+    so that the state term weighs in."""
+    from mamba3_mimo.inputs import make_inputs
+
+    return make_inputs(B=1 if device == "cpu" else 2, S=64 if device == "cpu" else 256, H=2, G=1, N=128, P=128, R=4,
+                       chunk_size=16, dtype=torch.bfloat16, seed=seed, dA_scale=0.1, device=device)
+
+
+def _against_production(inputs, run, dot_dtype, block_p=64):
+    """{"raw_y", "qk_dot": max error / max magnitude} of ``run`` (the probe's signature) against the production
+    ``chunk_scan`` on the same two-pass states; every output starts as NaN."""
+    from mamba3_mimo.ops.chunk_scan import chunk_scan
+    from mamba3_mimo.ops.chunk_state import chunk_states, segment_end_states
+    from mamba3_mimo.ops.token_tables import token_tables
+
+    B, S, R, G, N = inputs["q"].shape
+    H, P = inputs["v"].shape[2:]
+    C, device = inputs["chunk_size"], inputs["q"].device
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=inputs["dt"], trap=inputs["trap"],
+                                                             angles=inputs["angles"], rotation_dtype=torch.float16)
+    common = dict(k=inputs["k"], v=inputs["v"], cos_angles=cos_angles, sin_angles=sin_angles, k_bias=inputs["k_bias"],
+                  mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=gamma,
+                  trap_scale=trap_scale, chunk_size=C, block_p=block_p, dot_dtype=dot_dtype, dot_precision="ieee")
+    states = torch.empty((B, H, S // C, N, P), dtype=torch.bfloat16, device=device)
+    scan = dict(common, n_segments=2, chunks_per_segment=S // C // 2, block_half=N // 2, num_warps=4)
+    seg_end = segment_end_states(**scan, span_chunks=1)
+    chunk_states(**scan, seg_state=seg_end, states=states, span_chunks=1)
+    output = dict(common, q=inputs["q"], q_bias=inputs["q_bias"], d=inputs["d"], states=states)
+    results = {}
+    for name, call in (("production", chunk_scan), ("probe", run)):
+        qk_dot = torch.full((B, H, S, R, R), float("nan"), device=device)
+        raw_y = torch.full((B, H, S, R, P), float("nan"), dtype=torch.float16, device=device)
+        raw_y_scale = torch.full((B, H, S, R, P // block_p), float("nan"), device=device)
+        call(**output, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale)
+        results[name] = (raw_y.float() * raw_y_scale.repeat_interleave(block_p, dim=-1), qk_dot)
+    (want_y, want_qk), (got_y, got_qk) = results["production"], results["probe"]
+    return dict(raw_y=float((got_y - want_y).abs().max() / want_y.abs().max()),
+                qk_dot=float((got_qk - want_qk).abs().max() / want_qk.abs().max()))
+
+
+def check_emulation(seed=7):
+    """CPU: ``emulate`` against the production ``chunk_scan`` (interpreter, fp32 products: the interpreter
+    miscomputes bf16 tl.dot) on a small two-pass problem."""
+    import triton.language as tl
+
+    return _against_production(_small_problem("cpu", seed), emulate, tl.float32)
+
+
+def check_gpu(seed=7):
+    """Hopper GPU: the probe kernel against the production ``chunk_scan`` (bf16 products) on the same problem at
+    B = 2, S = 256."""
+    import triton.language as tl
+
+    return _against_production(_small_problem("cuda", seed), gluon_chunk_scan, tl.bfloat16)
+
+
+class probe_in_production:
+    """Within it, production calls run the probe in place of ``chunk_scan`` where it covers the call (two passes:
+    no segment-entry term; an fp16 raw_y; one chunk a span and a program) and count those calls in ``self.calls``."""
+
+    def __enter__(self):
+        from mamba3_mimo.ops import production
+
+        self.module, self.original, self.calls = production, production.chunk_scan, []
+        _forget_recorded_calls()  # a call recorded without the probe has the same plan key: it would be replayed
+
+        def chunk_scan(**kwargs):
+            q, v, raw_y = kwargs["q"], kwargs["v"], kwargs.get("raw_y")
+            B, S, R, G, N = q.shape
+            covered = (raw_y is not None and raw_y.dtype == torch.float16 and kwargs.get("seg_entry") is None
+                       and kwargs.get("span_chunks", 1) == 1 and kwargs.get("spans_per_program", 1) == 1
+                       and q.dtype == v.dtype == torch.bfloat16 and kwargs["states"].dtype in STATES_DTYPES
+                       and not shape_problems(S=S, R=R, N=N, P=v.shape[3], RD=kwargs["cos_angles"].shape[3],
+                                              H=v.shape[2], chunk_size=kwargs["chunk_size"],
+                                              block_p=kwargs["block_p"]))
+            if not covered:
+                return self.original(**kwargs)
+            self.calls.append(1)
+            return gluon_chunk_scan(**kwargs)
+
+        production.chunk_scan = chunk_scan
+        return self
+
+    def __exit__(self, *exc):
+        self.module.chunk_scan = self.original
+        _forget_recorded_calls()
+        return False
+
+
+def _forget_recorded_calls():
+    from mamba3_mimo.ops import launch as launch_module
+
+    launch_module._calls.clear()
+    launch_module._plan_slots.clear()
+
+
+def time_case(case, *, n_segments=None):
+    """Hopper GPU, an official shape (B=4, S=2048, H=16, bf16, Z on): graph us and per-kernel us of whole calls with
+    the dispatcher's config, with two passes and the Gluon state scan, and the same with the probe as chunk_scan;
+    and the last one's accuracy against the float64 reference on a smaller problem (B=1, S=512, H=4)."""
+    import dataclasses
+
+    from mamba3_mimo.accuracy import check_outputs
+    from mamba3_mimo.api import bwd_fwd
+    from mamba3_mimo.bench import graph_time, kernel_breakdown, parse_case
+    from mamba3_mimo.inputs import make_inputs
+    from mamba3_mimo.ops.production import choose_config
+    from mamba3_mimo.reference import bwd_fwd_reference
+
+    shape = parse_case(case)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = choose_config(B=4, H=16, S=2048, num_sms=num_sms, **shape)
+    two = dataclasses.replace(base, local_states=False, gluon_scan=True, n_segments=n_segments or base.n_segments)
+    input_sets = [make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
+                  for seed in (0, 1)]
+    record = dict(case=case, n_segments=two.n_segments)
+    for name, config, probe in (("dispatcher", base, False), ("two_pass", two, False), ("two_pass_probe", two, True)):
+        with probe_in_production() if probe else contextlib.nullcontext() as patch:
+            record[name + "_graph_us"] = graph_time(input_sets, "production", torch.bfloat16, config=config) * 1e3
+            record[name + "_kernels_us"] = kernel_breakdown(input_sets[0], "production", torch.bfloat16,
+                                                            config=config)[0]
+            if probe:
+                record["probe_calls"] = len(patch.calls)
+                inputs = make_inputs(B=1, S=512, H=4, G=1, dtype=torch.bfloat16, device="cuda", seed=3, **shape)
+                small = dataclasses.replace(two, n_segments=2)
+                outputs = bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=small)
+                golden = bwd_fwd_reference(**inputs, compute_dtype=torch.float64)
+                bench = bwd_fwd_reference(**inputs, compute_dtype=torch.bfloat16)
+                checks = check_outputs(outputs, golden, bench, torch.bfloat16, torch.bfloat16)
+                record["accuracy"] = {check.name: check.passed for check in checks}
+    return record
+
+
+CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32", "N128_P64_R1_C64"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--emulate", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="Hopper GPU: values against chunk_scan, then timings")
+    parser.add_argument("--cases", nargs="+", default=CASES)
+    parser.add_argument("--json", help="with --gpu: write the records here")
+    args = parser.parse_args(argv)
+    if args.emulate:
+        print(check_emulation(), flush=True)
+    if args.gpu:
+        records = [dict(case="small", **check_gpu())]
+        print(records[-1], flush=True)
+        for case in args.cases:
+            records.append(time_case(case))
+            print(records[-1], flush=True)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(records, out, indent=1)
+    if args.compile_only:
+        from gluon_scan_probe import summary
+
+        for case in args.cases:
+            block_p = 32 if "P32" in case else 64
+            print(dict(case=case, block_p=block_p, **summary(compile_for_sm90(case, block_p=block_p))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
