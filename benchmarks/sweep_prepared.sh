@@ -4,7 +4,8 @@
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
 # Parts 10-11 (section 33) check and time the warp-specialized Gluon scan; they go first among the untimed parts.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|11 bash benchmarks/sweep_prepared.sh
+# Part 12 (section 34) checks and times the Gluon chunk_scan probe.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|12 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -156,8 +157,20 @@ case "${PART:-1}" in
       N128_P64_R1_C64 --json "$OUT/gluon_scan_probe/probe_rest.json" 2>&1 | tail -n 4
     sweep gluon_scan CASES="N256_P64_R4_C8 N128_P128_R4_C8 N128_P64_R4_C16 N128_P64_R8_C8" KNOBS="gluon_scan"
     ;;
+  12)
+    # chunk_scan as a Gluon kernel (benchmarks/gluon_chunk_scan_probe.py, section 34; never run before): its values
+    # against the production chunk_scan on a small two-pass problem, then whole calls (graph us, per-kernel us) with
+    # the dispatcher's config, with two passes and the Gluon scan, and with the probe as chunk_scan in those, and the
+    # last one's accuracy contract on a smaller problem.  The timings only if the values pass.
+    mkdir -p "$OUT/gluon_chunk_scan_probe"
+    if timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gluon_chunk_scan_probe as p; \
+        e = p.check_gpu(); print(e); sys.exit(max(e.values()) > 1e-2)" 2>&1 | tail -n 4; then
+      timeout 420 python3 benchmarks/gluon_chunk_scan_probe.py --gpu --cases N128_P64_R4_C16 N128_P64_R8_C8 \
+        N128_P32_R4_C16 --json "$OUT/gluon_chunk_scan_probe/probe.json" 2>&1 | tail -n 6
+    fi
+    ;;
   *)
-    echo "PART must be 1 to 11" >&2
+    echo "PART must be 1 to 12" >&2
     exit 2
     ;;
 esac
