@@ -20,8 +20,9 @@ for at once on one mbarrier (q and k as [R, C, 64] boxes of [R, B * S, G * N] vi
 scan; cos / sin [C, 64]; v [C, P tile]; the entering state as [64, P tile] bf16 boxes, the B operand of q~ @ state
 as they land), and the programs resident on an SM hide each other's loads.  q and k are rotated in place in shared
 memory; three wgmma chains: scores (K = N), q~ @ state (K = N), then the weighted scores as bf16 times psiv.
-Scope: N a multiple of 128, R * C = 64 (wgmma's M for one warpgroup: R4_C16, R8_C8, R2_C32, R1_C64), a P tile of 32
-or 64, S a multiple of C, bf16 q / k / v / states, 16-bit tables.
+Scope: N a multiple of 128 within 99 KB (not N = 256: 122 KB), R * C * span_chunks = 64 (wgmma's M for one
+warpgroup: R4_C16, R8_C8, R2_C32, R1_C64 one chunk a program, N128_P128_R4_C8 in spans of two as its dispatcher
+config has them), a P tile of 32 or 64, S a multiple of the span, bf16 q / k / v / states, 16-bit tables.
 """
 
 import argparse
@@ -50,6 +51,7 @@ from mamba3_mimo.ops.launch import launch  # noqa: E402
 STATES_DTYPES = (torch.bfloat16,)
 PIECE = 64  # columns of a q / k / cos / sin box and rows of a state box: one 128-byte swizzled bf16 row
 ROWS = 64  # (rank, token) rows of a program: wgmma's M for one warpgroup
+SMEM_LIMIT = 101_376  # the project's per-launch bound (99 KB)
 
 
 @gluon.constexpr_function
@@ -90,23 +92,37 @@ def _rotate_in_place(bufs, cos_bufs, sin_bufs, bias_ptr, h, RD, C: gl.constexpr,
 
 
 @gluon.jit
+def _span_da_cs(da_cs_ptr, disc, t, C: gl.constexpr, SPAN: gl.constexpr):
+    """da_cs at the span's tokens ``t`` re-based to the span's start (da_cs restarts every chunk): the log decays
+    of the span's earlier chunks added (``triton_utils.span_decay_offsets``)."""
+    da = gl.load(da_cs_ptr + disc + t)
+    for i in gl.static_range(SPAN - 1):
+        da += gl.where(t // C > i, gl.load(da_cs_ptr + disc + i * C + C - 1), 0.0)
+    return da
+
+
+@gluon.jit
 def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc, q_bias_ptr, k_bias_ptr,
                              psi_ptr, d_ptr, v_ptr, da_cs_ptr, gamma_ptr, trap_scale_ptr, qk_dot_ptr, raw_y_ptr,
                              raw_y_scale_ptr, S, H, G, NCH, RD,
                              C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
-                             BLOCK_P: gl.constexpr, HAS_D: gl.constexpr, num_warps: gl.constexpr):
+                             BLOCK_P: gl.constexpr, SPAN: gl.constexpr, HAS_D: gl.constexpr,
+                             num_warps: gl.constexpr):
+    # A span of SPAN chunks (L tokens) is read as one chunk, as chunk_scan's span_chunks: raw_y does not depend on
+    # where chunks are cut; the state read is the one entering the span.
     HALF: gl.constexpr = N // 2
     PIECES: gl.constexpr = HALF // 64
-    RC: gl.constexpr = R * C
+    L: gl.constexpr = C * SPAN
+    RC: gl.constexpr = R * L
     P_TILES: gl.constexpr = P // BLOCK_P
     pid_p = gl.program_id(0)
-    c = gl.program_id(1)
+    span = gl.program_id(1)
     bh = gl.program_id(2)
     b = bh // H
     h = bh % H
     g = h // (H // G)
     p0 = pid_p * BLOCK_P
-    t0 = c * C
+    t0 = span * L
     row = b * S + t0
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * PIECES] + q_desc.block_type.shape, q_desc.layout)
@@ -130,25 +146,25 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
         column = g * N + (i // PIECES) * HALF + (i % PIECES) * 64
         tma.async_copy_global_to_shared(q_desc, [0, row, column], bar, q_bufs.index(i))
         tma.async_copy_global_to_shared(k_desc, [0, row, column], bar, k_bufs.index(i))
-        tma.async_copy_global_to_shared(states_desc, [(bh * NCH + c) * N + (i // PIECES) * HALF + (i % PIECES) * 64,
-                                                      p0], bar, state_bufs.index(i))
+        state_row = (bh * NCH + span * SPAN) * N + (i // PIECES) * HALF + (i % PIECES) * 64
+        tma.async_copy_global_to_shared(states_desc, [state_row, p0], bar, state_bufs.index(i))
     for j in gl.static_range(PIECES):
         tma.async_copy_global_to_shared(cos_desc, [row, h * RD + j * 64], bar, cos_bufs.index(j))
         tma.async_copy_global_to_shared(sin_desc, [row, h * RD + j * 64], bar, sin_bufs.index(j))
     tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_smem)
 
     # Per-(rank, token) row and per-column vectors of the [RC, RC] scores and the [RC, P tile] outputs; rows are
-    # rank-major, row = r * C + t.
+    # rank-major, row = r * L + t.
     scores_layout: gl.constexpr = _acc_layout(RC, num_warps)
     y_layout: gl.constexpr = _acc_layout(BLOCK_P, num_warps)
     rows = gl.arange(0, RC, gl.SliceLayout(1, scores_layout))
     cols = gl.arange(0, RC, gl.SliceLayout(0, scores_layout))
-    row_t = rows % C
-    col_t = cols % C
+    row_t = rows % L
+    col_t = cols % L
     disc = bh * S + t0
-    da_row = gl.load(da_cs_ptr + disc + row_t)
+    da_row = _span_da_cs(da_cs_ptr, disc, row_t, C, SPAN)
     gamma_row = gl.load(gamma_ptr + disc + row_t)
-    da_col = gl.load(da_cs_ptr + disc + col_t)
+    da_col = _span_da_cs(da_cs_ptr, disc, col_t, C, SPAN)
     ts_col = gl.load(trap_scale_ptr + disc + col_t)
     earlier = row_t[:, None] > col_t[None, :]
     same = row_t[:, None] == col_t[None, :]
@@ -157,14 +173,14 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
 
     mbarrier.wait(bar, 0)
     mbarrier.invalidate(bar)
-    _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, C, R, N, num_warps)
-    _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, C, R, N, num_warps)
+    _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, L, R, N, num_warps)
+    _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, L, R, N, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
     p_cols = gl.arange(0, BLOCK_P, gl.SliceLayout(0, p_layout))
     v_tile = v_smem.load(p_layout).to(gl.float32)
     for r in gl.static_range(R):
         psi = gl.load(psi_ptr + (h * R + r) * P + p0 + p_cols)
-        psiv_smem.slice(r * C, C).store((v_tile * psi[None, :]).to(gl.bfloat16))
+        psiv_smem.slice(r * L, L).store((v_tile * psi[None, :]).to(gl.bfloat16))
     fence_async_shared()
 
     scores = gl.zeros([RC, RC], gl.float32, scores_layout)
@@ -177,7 +193,7 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
 
     if pid_p == 0:
         # Same-token blocks are qk_dot[t, r, r'] (rotation keeps those dots).
-        qk_offs = ((bh * S + t0 + row_t) * R + rows // C)[:, None] * R + (cols // C)[None, :]
+        qk_offs = ((bh * S + t0 + row_t) * R + rows // L)[:, None] * R + (cols // L)[None, :]
         gl.store(qk_dot_ptr + qk_offs, scores, mask=same)
     mixing_smem.store((scores * weights).to(gl.bfloat16))
     fence_async_shared()
@@ -186,9 +202,9 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
 
     y_rows = gl.arange(0, RC, gl.SliceLayout(1, y_layout))
     y_cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, y_layout))
-    y_t = y_rows % C
-    y_r = y_rows // C
-    raw_y += gl.exp(gl.load(da_cs_ptr + disc + y_t))[:, None] * y_state
+    y_t = y_rows % L
+    y_r = y_rows // L
+    raw_y += gl.exp(_span_da_cs(da_cs_ptr, disc, y_t, C, SPAN))[:, None] * y_state
     if HAS_D:
         # The D skip in fp32, from v and Psi in the accumulator's layout.
         v_rows = gl.load(v_ptr + ((b * S + t0 + y_t) * H + h)[:, None] * P + y_cols[None, :]).to(gl.float32)
@@ -204,28 +220,40 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
     gl.store(raw_y_scale_ptr + seq_rows * P_TILES + pid_p, unscale)
 
 
-def shape_problems(*, S, R, N, P, RD, H, chunk_size, block_p):
+def shared_bytes(*, N, R, block_p):
+    """The probe's shared memory but for its mbarrier (8 bytes): q, k and the entering state in 64-wide pieces, the
+    cos / sin pieces of the span's L = 64 / R tokens, v, psiv and the weighted scores."""
+    pieces, tokens = N // PIECE, ROWS // R
+    return (2 * pieces * ROWS * PIECE * 2 + pieces * PIECE * block_p * 2 + pieces * tokens * PIECE * 2
+            + tokens * block_p * 2 + ROWS * block_p * 2 + ROWS * ROWS * 2)
+
+
+def shape_problems(*, S, R, N, P, RD, H, chunk_size, block_p, span_chunks=1):
     """What keeps the probe's boxes from covering a problem (empty where they do)."""
     problems = []
     if N % 128:
         problems.append(f"N a multiple of 128, got {N}")
-    if R * chunk_size != ROWS:
-        problems.append(f"R * C = {ROWS} rows (one warpgroup's wgmma M), got R={R}, C={chunk_size}")
+    L = chunk_size * span_chunks
+    if R * L != ROWS:
+        problems.append(f"R * C * span_chunks = {ROWS} rows (one warpgroup's wgmma M), got R={R}, C={chunk_size}, "
+                        f"span_chunks={span_chunks}")
     if block_p not in (32, 64) or P % block_p:
         problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
-    if S % chunk_size:
-        problems.append(f"S a multiple of C, got S={S}")
+    if S % L:
+        problems.append(f"S a multiple of C * span_chunks, got S={S}")
+    if not N % 128 and shared_bytes(N=N, R=R, block_p=block_p) + 8 > SMEM_LIMIT:
+        problems.append(f"shared memory within 99 KB, got {shared_bytes(N=N, R=R, block_p=block_p) + 8} at N={N}")
     if (H * RD * 2) % 16:
         problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {H * RD}")
     return problems
 
 
-def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
-    """The probe's TMA descriptors (host-side)."""
+def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p, span_chunks=1):
+    """The probe's TMA descriptors (host-side); a box holds a span's L = C * span_chunks tokens."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C = chunk_size
+    C = chunk_size * span_chunks
     states_rows = states.shape[0] * states.shape[1] * states.shape[2] * states.shape[3]
 
     def box(tensor, shape, strides, block):
@@ -244,26 +272,29 @@ def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p)
 
 
 def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale,
-                     states, qk_dot, raw_y, raw_y_scale, chunk_size, block_p, **_unused):
-    """``chunk_scan(raw_y=..., raw_y_scale=...)`` with two-pass states (fp16 raw_y), through the probe kernel."""
+                     states, qk_dot, raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, **_unused):
+    """``chunk_scan(raw_y=..., raw_y_scale=...)`` with two-pass states (fp16 raw_y), through the probe kernel: a
+    program per (P tile, span of ``span_chunks`` chunks, (b, h))."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=chunk_size, block_p=block_p)
+    problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=chunk_size, block_p=block_p,
+                              span_chunks=span_chunks)
     if problems:
         raise ValueError("gluon_chunk_scan: needs " + "; ".join(problems))
     found = descriptors(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
-                        chunk_size=chunk_size, block_p=block_p)
+                        chunk_size=chunk_size, block_p=block_p, span_chunks=span_chunks)
     # Through ops/launch.py, so that inside a production call it is recorded and replayed with the other launches.
-    launch(_gluon_chunk_scan_kernel, (P // block_p, S // chunk_size, B * H),
+    launch(_gluon_chunk_scan_kernel, (P // block_p, S // (chunk_size * span_chunks), B * H),
            found["q_desc"], found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"],
            found["states_desc"], q_bias, k_bias, mimo_v, q_bias if d is None else d, v, da_cs, gamma, trap_scale,
            qk_dot, raw_y, raw_y_scale, S, H, G, cdiv(S, chunk_size), RD,
-           C=chunk_size, R=R, N=N, P=P, BLOCK_P=block_p, HAS_D=d is not None, num_warps=4)
+           C=chunk_size, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span_chunks, HAS_D=d is not None, num_warps=4)
 
 
 def compile_for_sm90(case, *, block_p=64, has_d=True):
-    """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed."""
+    """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed; spans of as many
+    chunks as make R * C * span = 64 rows."""
     from gluon_scan_probe import _Shaped
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -274,7 +305,8 @@ def compile_for_sm90(case, *, block_p=64, has_d=True):
     shape = parse_case(case)
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     B, S, H, G, RD = 4, 2048, 16, 1, N // 4
-    problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=C, block_p=block_p)
+    span = max(1, ROWS // (R * C))
+    problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=C, block_p=block_p, span_chunks=span)
     if problems:
         raise ValueError(f"{case}: " + "; ".join(problems))
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16)}
@@ -283,12 +315,13 @@ def compile_for_sm90(case, *, block_p=64, has_d=True):
                 cos_angles=_Shaped(base[torch.float16], (B, S, H, RD)),
                 sin_angles=_Shaped(base[torch.float16], (B, S, H, RD)),
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
-    types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p).items()}
+    types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p,
+                                                                   span_chunks=span).items()}
     types.update({name: "*fp32" for name in ("q_bias_ptr", "k_bias_ptr", "psi_ptr", "d_ptr", "da_cs_ptr", "gamma_ptr",
                                              "trap_scale_ptr", "qk_dot_ptr", "raw_y_scale_ptr")})
     types.update(v_ptr="*bf16", raw_y_ptr="*fp16")
     types.update({name: "i32" for name in ("S", "H", "G", "NCH", "RD")})
-    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, HAS_D=has_d, num_warps=4)
+    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span, HAS_D=has_d, num_warps=4)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_chunk_scan_kernel.arg_names}
     source = GluonASTSource(_gluon_chunk_scan_kernel, signature, constants)
@@ -296,7 +329,7 @@ def compile_for_sm90(case, *, block_p=64, has_d=True):
 
 
 def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale, states, qk_dot,
-            raw_y, raw_y_scale, chunk_size, block_p, **_unused):
+            raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, **_unused):
     """The probe's programs in torch on the host (fp32 products): its boxes (``descriptors``, the same coordinates,
     TMA's zero fill), in-place rotation, weights, products and stores.  Checks the descriptors and the index arithmetic
     where Gluon cannot run."""
@@ -305,18 +338,18 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C, HALF, RC = chunk_size, N // 2, R * chunk_size
-    pieces = HALF // PIECE
+    C, HALF, L = chunk_size, N // 2, chunk_size * span_chunks
+    RC, pieces = R * L, HALF // PIECE
     found = descriptors(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states, chunk_size=C,
-                        block_p=block_p)
-    t = torch.arange(RC) % C
-    r_of = torch.arange(RC) // C
+                        block_p=block_p, span_chunks=span_chunks)
+    t = torch.arange(RC) % L
+    r_of = torch.arange(RC) // L
     earlier = t[:, None] > t[None, :]
     same = t[:, None] == t[None, :]
-    for pid_p, c, bh in itertools.product(range(P // block_p), range(S // C), range(B * H)):
+    for pid_p, span, bh in itertools.product(range(P // block_p), range(S // L), range(B * H)):
         b, h = divmod(bh, H)
         g = h // (H // G)
-        p0, t0 = pid_p * block_p, c * C
+        p0, t0 = pid_p * block_p, span * L
         row = b * S + t0
 
         def rotated(desc, bias):
@@ -335,16 +368,19 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
             return torch.cat([x for x, _ in out] + [y for _, y in out], dim=1)  # columns: lo pieces, then hi
 
         q_rot, k_rot = rotated(found["q_desc"], q_bias), rotated(found["k_desc"], k_bias)
-        state = torch.cat([read_box(found["states_desc"], [(bh * S // C + c) * N + half * HALF + j * PIECE, p0])
+        state = torch.cat([read_box(found["states_desc"], [(bh * S // C + span * span_chunks) * N + half * HALF
+                                                           + j * PIECE, p0])
                            for half in range(2) for j in range(pieces)]).float()
         disc = bh * S + t0
-        da = da_cs.reshape(-1)[disc + t]
+        # da_cs restarts every chunk: re-based to the span's start by its earlier chunks' log decays.
+        da = da_cs.reshape(-1)[disc + t] + sum(torch.where(t // C > i, da_cs.reshape(-1)[disc + i * C + C - 1], 0.0)
+                                               for i in range(span_chunks - 1))
         weights = torch.where(earlier, torch.exp(torch.where(earlier, da[:, None] - da[None, :], 0.0))
                               * trap_scale.reshape(-1)[disc + t][None, :],
                               torch.where(same, gamma.reshape(-1)[disc + t][:, None], 0.0))
         scores = q_rot @ k_rot.T
         if pid_p == 0:
-            qk = qk_dot.view(B * H, S, R, R)[bh, t0:t0 + C]
+            qk = qk_dot.view(B * H, S, R, R)[bh, t0:t0 + L]
             qk[t[same.nonzero()[:, 0]], r_of[same.nonzero()[:, 0]], r_of[same.nonzero()[:, 1]]] = \
                 scores[same].to(qk_dot.dtype)
         v_tile = read_box(found["v_desc"], [row, h * P + p0]).float()
@@ -362,16 +398,16 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
         raw_y_scale.view(-1, P // block_p)[rows, pid_p] = unscale
 
 
-def _small_problem(device, seed):
-    """Two chunks a segment of a two-pass schedule over two P tiles (N128_P128_R4_C16 at test size); dA_scale 0.1
-    so that the state term weighs in."""
+def _small_problem(device, seed, chunk_size=16):
+    """A two-pass schedule over two P tiles and two segments (N128_P128_R4 at test size); dA_scale 0.1 so that the
+    state term weighs in."""
     from mamba3_mimo.inputs import make_inputs
 
     return make_inputs(B=1 if device == "cpu" else 2, S=64 if device == "cpu" else 256, H=2, G=1, N=128, P=128, R=4,
-                       chunk_size=16, dtype=torch.bfloat16, seed=seed, dA_scale=0.1, device=device)
+                       chunk_size=chunk_size, dtype=torch.bfloat16, seed=seed, dA_scale=0.1, device=device)
 
 
-def _against_production(inputs, run, dot_dtype, block_p=64):
+def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1):
     """{"raw_y", "qk_dot": max error / max magnitude} of ``run`` (the probe's signature) against the production
     ``chunk_scan`` on the same two-pass states; every output starts as NaN."""
     from mamba3_mimo.ops.chunk_scan import chunk_scan
@@ -396,32 +432,39 @@ def _against_production(inputs, run, dot_dtype, block_p=64):
         qk_dot = torch.full((B, H, S, R, R), float("nan"), device=device)
         raw_y = torch.full((B, H, S, R, P), float("nan"), dtype=torch.float16, device=device)
         raw_y_scale = torch.full((B, H, S, R, P // block_p), float("nan"), device=device)
-        call(**output, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale)
+        call(**output, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale, span_chunks=span_chunks)
         results[name] = (raw_y.float() * raw_y_scale.repeat_interleave(block_p, dim=-1), qk_dot)
     (want_y, want_qk), (got_y, got_qk) = results["production"], results["probe"]
     return dict(raw_y=float((got_y - want_y).abs().max() / want_y.abs().max()),
                 qk_dot=float((got_qk - want_qk).abs().max() / want_qk.abs().max()))
 
 
+def _check(device, run, dot_dtype, seed):
+    """{"raw_y", "qk_dot"}: one chunk of 16 a program; {"raw_y_span2", "qk_dot_span2"}: spans of two chunks of 8."""
+    errors = _against_production(_small_problem(device, seed), run, dot_dtype)
+    spans = _against_production(_small_problem(device, seed, chunk_size=8), run, dot_dtype, span_chunks=2)
+    return dict(errors, **{name + "_span2": error for name, error in spans.items()})
+
+
 def check_emulation(seed=7):
     """CPU: ``emulate`` against the production ``chunk_scan`` (interpreter, fp32 products: the interpreter
-    miscomputes bf16 tl.dot) on a small two-pass problem."""
+    miscomputes bf16 tl.dot) on small two-pass problems."""
     import triton.language as tl
 
-    return _against_production(_small_problem("cpu", seed), emulate, tl.float32)
+    return _check("cpu", emulate, tl.float32, seed)
 
 
 def check_gpu(seed=7):
-    """Hopper GPU: the probe kernel against the production ``chunk_scan`` (bf16 products) on the same problem at
+    """Hopper GPU: the probe kernel against the production ``chunk_scan`` (bf16 products) on the same problems at
     B = 2, S = 256."""
     import triton.language as tl
 
-    return _against_production(_small_problem("cuda", seed), gluon_chunk_scan, tl.bfloat16)
+    return _check("cuda", gluon_chunk_scan, tl.bfloat16, seed)
 
 
 class probe_in_production:
     """Within it, production calls run the probe in place of ``chunk_scan`` where it covers the call (two passes:
-    no segment-entry term; an fp16 raw_y; one chunk a span and a program) and count those calls in ``self.calls``."""
+    no segment-entry term; an fp16 raw_y; one span a program) and count those calls in ``self.calls``."""
 
     def __enter__(self):
         from mamba3_mimo.ops import production
@@ -433,11 +476,11 @@ class probe_in_production:
             q, v, raw_y = kwargs["q"], kwargs["v"], kwargs.get("raw_y")
             B, S, R, G, N = q.shape
             covered = (raw_y is not None and raw_y.dtype == torch.float16 and kwargs.get("seg_entry") is None
-                       and kwargs.get("span_chunks", 1) == 1 and kwargs.get("spans_per_program", 1) == 1
+                       and kwargs.get("spans_per_program", 1) == 1
                        and q.dtype == v.dtype == torch.bfloat16 and kwargs["states"].dtype in STATES_DTYPES
                        and not shape_problems(S=S, R=R, N=N, P=v.shape[3], RD=kwargs["cos_angles"].shape[3],
                                               H=v.shape[2], chunk_size=kwargs["chunk_size"],
-                                              block_p=kwargs["block_p"]))
+                                              block_p=kwargs["block_p"], span_chunks=kwargs.get("span_chunks", 1)))
             if not covered:
                 return self.original(**kwargs)
             self.calls.append(1)
@@ -476,10 +519,12 @@ def time_case(case, *, n_segments=None):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = choose_config(B=4, H=16, S=2048, num_sms=num_sms, **shape)
     two = dataclasses.replace(base, local_states=False, gluon_scan=True, n_segments=n_segments or base.n_segments)
+    probe_config = dataclasses.replace(two, out_block_p=min(two.out_block_p, 64))  # the probe's P tiles: 32 or 64
     input_sets = [make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
                   for seed in (0, 1)]
     record = dict(case=case, n_segments=two.n_segments)
-    for name, config, probe in (("dispatcher", base, False), ("two_pass", two, False), ("two_pass_probe", two, True)):
+    for name, config, probe in (("dispatcher", base, False), ("two_pass", two, False),
+                                 ("two_pass_probe", probe_config, True)):
         with probe_in_production() if probe else contextlib.nullcontext() as patch:
             record[name + "_graph_us"] = graph_time(input_sets, "production", torch.bfloat16, config=config) * 1e3
             record[name + "_kernels_us"] = kernel_breakdown(input_sets[0], "production", torch.bfloat16,
@@ -487,7 +532,7 @@ def time_case(case, *, n_segments=None):
             if probe:
                 record["probe_calls"] = len(patch.calls)
                 inputs = make_inputs(B=1, S=512, H=4, G=1, dtype=torch.bfloat16, device="cuda", seed=3, **shape)
-                small = dataclasses.replace(two, n_segments=2)
+                small = dataclasses.replace(probe_config, n_segments=2)
                 outputs = bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=small)
                 golden = bwd_fwd_reference(**inputs, compute_dtype=torch.float64)
                 bench = bwd_fwd_reference(**inputs, compute_dtype=torch.bfloat16)
@@ -496,7 +541,8 @@ def time_case(case, *, n_segments=None):
     return record
 
 
-CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32", "N128_P64_R1_C64"]
+CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32", "N128_P64_R1_C64",
+         "N128_P128_R4_C8"]
 
 
 def main(argv=None):
