@@ -246,3 +246,43 @@ def test_fp16_row_scaled(request):
     normal = xd.abs() >= xd.abs().amax(1, keepdim=True) * 2.0**-28
     rel = ((decoded - xd).abs() / xd.abs())[normal & (xd != 0)]
     assert rel.max() <= 2.0**-11, rel.max()
+
+
+def test_precise_exp_only_for_fp32_products_on_the_gpu(monkeypatch):
+    """libdevice's exp (host_utils.precise_exp) where the products are fp32 and the kernels compiled for the GPU (the
+    interpreter has no libdevice), and only with FP32_PRECISE_EXP, off by default until a GPU run tests it."""
+    import os
+
+    from mamba3_mimo.ops import host_utils
+
+    assert host_utils.FP32_PRECISE_EXP is (os.environ.get("MAMBA3_MIMO_FP32_PRECISE_EXP") == "1")
+    gpu, cpu = torch.empty(0, device="meta"), torch.empty(0)
+    monkeypatch.setattr(host_utils, "compiled_for_gpu", lambda tensor: tensor.device.type != "cpu")
+    monkeypatch.setattr(host_utils, "FP32_PRECISE_EXP", True)
+    assert host_utils.precise_exp(tl.float32, gpu)
+    assert not host_utils.precise_exp(tl.bfloat16, gpu) and not host_utils.precise_exp(tl.float16, gpu)
+    assert not host_utils.precise_exp(tl.float32, cpu)
+    monkeypatch.setattr(host_utils, "FP32_PRECISE_EXP", False)
+    assert not host_utils.precise_exp(tl.float32, gpu)
+
+
+@triton.jit
+def _exp_kernel(x_ptr, y_ptr, PRECISE: tl.constexpr):
+    offs = tl.arange(0, 1024)
+    tl.store(y_ptr + offs, tu.exp_fp32(tl.load(x_ptr + offs), PRECISE))
+
+
+@requires_cuda
+def test_exp_fp32_precise_is_within_two_ulp_where_the_fast_one_grows_with_x():
+    """The premise of host_utils.precise_exp: tl.exp is ex2.approx after an fp32 multiply by log2(e), whose relative
+    error grows with |x| (the decays' exponents reach tens); libdevice's stays within 2 ulp (2.4e-7)."""
+    x = torch.linspace(-80.0, 0.0, 1024, device="cuda")
+    want = x.double().exp()
+    errors = {}
+    for precise in (False, True):
+        y = torch.empty_like(x)
+        compiled = _exp_kernel[(1,)](x, y, PRECISE=precise)
+        errors[precise] = float(((y.double() - want).abs() / want).max())
+        if not precise:
+            assert "ex2.approx.f32" in compiled.asm["ptx"]
+    assert errors[True] <= 2.4e-7 < errors[False], errors

@@ -24,6 +24,7 @@ from .triton_utils import (
     accumulate_rank_grads,
     accumulate_rank_group_grads,
     chunk_rows,
+    exp_fp32,
     intra_chunk_weights,
     load_entering_state,
     load_rotated_gather,
@@ -46,7 +47,7 @@ def _chunk_output_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
     ADD_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
 ):
     HALF: tl.constexpr = N // 2
     F: tl.constexpr = RANKS_PER_STEP
@@ -119,10 +120,10 @@ def _chunk_output_kernel(
         if SPAN_CHUNKS > 1:
             da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
             da_q += span_decay_offsets(da_cs_seq, t_q, t0, S, C, SPAN_CHUNKS)[0]
-        weights = intra_chunk_weights(q_t, row_t, q_tok_mask, row_mask, da_q, da_rows, gamma_q, ts_rows)
+        weights = intra_chunk_weights(q_t, row_t, q_tok_mask, row_mask, da_q, da_rows, gamma_q, ts_rows, PRECISE_EXP)
         psiv = (load_rows(v_ptr + hp_seq, t_rows * (H * P), row_mask, offs_p, p_mask) * psi_rows).to(DOT_DTYPE)
 
-        state_scale = tl.exp(da_q)
+        state_scale = exp_fp32(da_q, PRECISE_EXP)
 
         q_offs = t_q * (H * P)
         dout_q = load_rows(dout_ptr + hp_seq, q_offs, q_tok_mask, offs_p, p_mask)
@@ -253,7 +254,8 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
         ADD_ENTRY=seg_entry is not None,
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         SUM_DTYPE=sum_dtype(dot_dtype, q.device), FAST_SIGMOID=host_utils.compiled_for_gpu(q),
-        ROTATION_DTYPE=rotation_math_dtype, num_warps=num_warps, num_stages=1,
+        ROTATION_DTYPE=rotation_math_dtype, PRECISE_EXP=host_utils.precise_exp(dot_dtype, q), num_warps=num_warps,
+        num_stages=1,
     )
     return dphi, dzeta
 

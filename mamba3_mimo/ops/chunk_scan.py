@@ -23,6 +23,7 @@ from .host_utils import cdiv, next_power_of_2
 from .launch import launch
 from .triton_utils import (
     bias_add_in_half,
+    exp_fp32,
     fp16_row_scaled,
     intra_chunk_weights,
     load_entering_state,
@@ -67,7 +68,7 @@ def _span_raw_y(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
-    ROTATION_DTYPE: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -156,7 +157,8 @@ def _span_raw_y(
         da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
     if SPAN_CHUNKS > 1:
         da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
-    weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows)
+    weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows,
+                                  PRECISE_EXP)
     v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
     psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
@@ -166,7 +168,7 @@ def _span_raw_y(
     if not Y_STATE_EARLY:
         y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
-    raw_y += tl.exp(da_rows)[:, None] * y_state
+    raw_y += exp_fp32(da_rows, PRECISE_EXP)[:, None] * y_state
     if HAS_D:
         # The D skip in fp32, from v and Psi read again (volatile: not merged with the loads above, whose fp32
         # psiv would stay live across the products).  Folded into the mixing matrix's diagonal it was rounded
@@ -189,7 +191,7 @@ def _chunk_scan_kernel(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
-    SCALED_RAW_Y: tl.constexpr,
+    SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
@@ -202,7 +204,7 @@ def _chunk_scan_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -227,7 +229,7 @@ def _chunk_scan_gate_kernel(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
-    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
@@ -251,7 +253,7 @@ def _chunk_scan_gate_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -348,6 +350,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta, ADD_ENTRY=seg_entry is not None,
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
+        PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
 from .triton_utils import (
@@ -31,6 +32,7 @@ from .triton_utils import (
     chunk_log_decay_at,
     chunk_rows,
     chunk_run_log_decay,
+    exp_fp32,
     load_angle_tiles,
     load_halves,
     load_rows,
@@ -75,7 +77,7 @@ def _state_scan_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, SKIP_UNROTATED: tl.constexpr,
-    ROTATION_DTYPE: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
 ):
     HALF: tl.constexpr = N // 2
     # A step takes a span of SPAN_CHUNKS chunks (L tokens); CHUNKS_PER_SEG is a multiple of SPAN_CHUNKS.
@@ -113,8 +115,8 @@ def _state_scan_kernel(
     if FOLD_EARLIER:
         # Fold the earlier segments: s <- exp(segment log decay) s + end state of that segment.
         for i in range(0, seg):
-            seg_decay = tl.exp(chunk_run_log_decay(da_cs_seq, i * CHUNKS_PER_SEG, CHUNKS_PER_SEG, S, C,
-                                                   BLOCK_SEG_CHUNKS))
+            seg_decay = exp_fp32(chunk_run_log_decay(da_cs_seq, i * CHUNKS_PER_SEG, CHUNKS_PER_SEG, S, C,
+                                                     BLOCK_SEG_CHUNKS), PRECISE_EXP)
             end_state = seg_state_ptr + (bh * N_SEGMENTS + i) * N * P
             state_lo = state_lo * seg_decay + tl.load(end_state + tile_offs, mask=tile_mask, other=0.0)
             state_hi = state_hi * seg_decay + tl.load(end_state + HALF * P + tile_offs, mask=tile_mask, other=0.0)
@@ -177,12 +179,12 @@ def _state_scan_kernel(
         k_hi_t = k_hi_t.to(DOT_DTYPE)
         # exp(da_cs_rev) decays each token to its chunk's end (with one product over a span: to the span end);
         # it weighs psiv rows, not k~.
-        k_weight = tl.where(row_mask, tl.exp(da_rev) * trap_scale, 0.0)
+        k_weight = tl.where(row_mask, exp_fp32(da_rev, PRECISE_EXP) * trap_scale, 0.0)
         psiv_w = v_rows.to(tl.float32) * psi_rows * k_weight[:, None]
         if not ONE_PRODUCT:
             # Chunk j's product takes its rows only, each decayed to chunk j's end.
             for j in tl.static_range(SPAN_CHUNKS):
-                chunk_decay = tl.exp(chunk_log_decay_at(da_cs_seq, t0 + j * C, S, C))
+                chunk_decay = exp_fp32(chunk_log_decay_at(da_cs_seq, t0 + j * C, S, C), PRECISE_EXP)
                 psiv_j = tl.where((row_t // C == j)[:, None], psiv_w, 0.0).to(DOT_DTYPE)
                 state_lo = state_lo * chunk_decay + tl.dot(k_lo_t, psiv_j, input_precision=DOT_PRECISION)
                 state_hi = state_hi * chunk_decay + tl.dot(k_hi_t, psiv_j, input_precision=DOT_PRECISION)
@@ -194,7 +196,7 @@ def _state_scan_kernel(
                              mask=next_mask)
         else:
             psiv_w = psiv_w.to(DOT_DTYPE)
-            span_decay = tl.exp(span_log_decay)
+            span_decay = exp_fp32(span_log_decay, PRECISE_EXP)
             state_lo = state_lo * span_decay + tl.dot(k_lo_t, psiv_w, input_precision=DOT_PRECISION)
             state_hi = state_hi * span_decay + tl.dot(k_hi_t, psiv_w, input_precision=DOT_PRECISION)
 
@@ -231,7 +233,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
         BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PREFETCH=prefetch, SKIP_UNROTATED=skip_unrotated,
-        ROTATION_DTYPE=rotation_math_dtype,
+        ROTATION_DTYPE=rotation_math_dtype, PRECISE_EXP=host_utils.precise_exp(dot_dtype, k),
         num_warps=num_warps, num_stages=1,
         **({'maxnreg': max_registers} if max_registers else {}),
     )

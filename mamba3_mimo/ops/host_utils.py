@@ -5,6 +5,8 @@ goes through a wrapper that unwraps its arguments, a few microseconds that a bwd
 ~36 times (benchmarks/host_profile.py).  These are the plain-Python equivalents.
 """
 
+import os
+
 import torch
 import triton.language as tl
 
@@ -23,6 +25,18 @@ def rotation_math_dtype(dot_dtype, half_rotation):
     """tl dtype of the kernels' q / k bias add and rotation: the products' dtype where ``half_rotation`` asks for it
     and the products take 16-bit operands (two elements a register, one rounding an operation), else fp32."""
     return dot_dtype if half_rotation and dot_dtype in (tl.bfloat16, tl.float16) else tl.float32
+
+
+# libdevice's exp where the products are fp32 (``precise_exp``): prepared without a device in the twenty-fifth session
+# for the one GPU failure of fp32 inputs (docs/optimization.md section 34), off until a GPU run has tested it
+# (MAMBA3_MIMO_FP32_PRECISE_EXP=1 turns it on for such a run).
+FP32_PRECISE_EXP = os.environ.get("MAMBA3_MIMO_FP32_PRECISE_EXP") == "1"
+
+
+def precise_exp(dot_dtype, tensor):
+    """Whether the kernels take libdevice's exp (``triton_utils.exp_fp32``): fp32 products, compiled for the GPU,
+    and ``FP32_PRECISE_EXP`` on.  Half-precision paths keep ``tl.exp``, whose error is far below their rounding."""
+    return FP32_PRECISE_EXP and dot_dtype == tl.float32 and compiled_for_gpu(tensor)
 
 
 def compiled_for_gpu(tensor):

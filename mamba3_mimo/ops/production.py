@@ -39,7 +39,7 @@ from .chunk_scan import chunk_scan
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
-from .host_utils import cdiv, next_power_of_2, rotation_math_dtype
+from .host_utils import cdiv, next_power_of_2, precise_exp, rotation_math_dtype
 from .launch import forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
@@ -500,7 +500,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         else:
             seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
         entry_decay = segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
-                                           chunks_per_segment=chunks_per_segment)
+                                           chunks_per_segment=chunks_per_segment,
+                                           precise_exp=precise_exp(dot_dtype, da_cs))
     elif gluon:
         seg_end = gluon.gluon_segment_end_states(**scan)
         gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
+from .triton_utils import exp_fp32
 
 # Elements of the flattened [N, P] state per program: a (b, h) takes N * P / 1024 programs.
 BLOCK_STATE = 1024
@@ -26,6 +27,7 @@ BLOCK_STATE = 1024
 def _segment_entry_kernel(
     seg_state_ptr, da_cs_ptr, entry_decay_ptr, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, STATE_SIZE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
+    PRECISE_EXP: tl.constexpr = False,
 ):
     bh = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -43,21 +45,22 @@ def _segment_entry_kernel(
         log_decay = tl.load(da_cs_seq + tl.minimum(chunk * C + C - 1, S - 1), mask=valid, other=0.0)
         if tl.program_id(0) == 0:
             before = tl.cumsum(log_decay, axis=0) - log_decay
-            tl.store(entry_decay_ptr + bh * NCH + chunk, tl.exp(before), mask=valid)
+            tl.store(entry_decay_ptr + bh * NCH + chunk, exp_fp32(before, PRECISE_EXP), mask=valid)
         # The last segment's end state is not needed: its slot only receives the entry state.
         end = tl.load(seg_seq + s * STATE_SIZE, mask=mask & (s < N_SEGMENTS - 1), other=0.0)
         tl.store(seg_seq + s * STATE_SIZE, entry, mask=mask)
-        entry = entry * tl.exp(tl.sum(log_decay, axis=0)) + end
+        entry = entry * exp_fp32(tl.sum(log_decay, axis=0), PRECISE_EXP) + end
 
 
-def segment_entry_states(*, seg_state, da_cs, chunk_size, chunks_per_segment):
+def segment_entry_states(*, seg_state, da_cs, chunk_size, chunks_per_segment, precise_exp=False):
     """Turn the segments' end states into their entry states, in place, and return each chunk's decay from
     its segment's start (what the output stage scales a segment's entry state by).
 
     Args:
         seg_state: [B, H, n_segments, N, P] fp32 from ``chunk_local_states`` (end states; the last
             entry is ignored), overwritten with the entry states (entry 0 is zeros);
-        da_cs: [B, H, S] fp32; chunk_size; chunks_per_segment: chunks of every segment but the last.
+        da_cs: [B, H, S] fp32; chunk_size; chunks_per_segment: chunks of every segment but the last;
+        precise_exp: libdevice's exp (``host_utils.precise_exp``: fp32 products on the GPU).
     Returns:
         entry_decay: [B, H, nch] fp32, exp(sum of the log decays of the segment's chunks before chunk c)
         (1 for a segment's first chunk).
@@ -69,6 +72,6 @@ def segment_entry_states(*, seg_state, da_cs, chunk_size, chunks_per_segment):
     launch(_segment_entry_kernel, (cdiv(N * P, BLOCK_STATE), B * H),
         seg_state, da_cs, entry_decay, S, nch, chunks_per_segment, n_segments,
         C=chunk_size, STATE_SIZE=N * P, BLOCK=BLOCK_STATE, BLOCK_SEG_CHUNKS=next_power_of_2(chunks_per_segment),
-        num_warps=4,
+        PRECISE_EXP=precise_exp, num_warps=4,
     )
     return entry_decay

@@ -15,6 +15,7 @@ the copies.
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -118,7 +119,21 @@ def chunk_run_log_decay(da_cs_seq_ptr, first_chunk, n_chunks, S, C: tl.constexpr
 
 
 @triton.jit
-def intra_chunk_weights(row_t, col_t, row_mask, col_mask, da_row, da_col, gamma_row, ts_col):
+def exp_fp32(x, PRECISE: tl.constexpr = False):
+    """exp(x) of fp32 x.  ``tl.exp`` lowers to ex2.approx after an fp32 multiply by log2(e): a relative error of
+    ~|x| 2^-24 from the product's rounding plus the unit's 2^-22, where libdevice's expf stays within 2 ulp.
+    PRECISE (CUDA only: the interpreter has no libdevice) takes libdevice's; ``host_utils.precise_exp`` says when
+    (fp32 products; docs/optimization.md section 34)."""
+    if PRECISE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def intra_chunk_weights(row_t, col_t, row_mask, col_mask, da_row, da_col, gamma_row, ts_col,
+                        PRECISE_EXP: tl.constexpr = False):
     """Causal weights of the folded chunk score matrix [rows, cols].
 
     Earlier tokens s < t weigh trap_scale[s] * exp(da_cs[t] - da_cs[s]) (the
@@ -130,7 +145,7 @@ def intra_chunk_weights(row_t, col_t, row_mask, col_mask, da_row, da_col, gamma_
     both_valid = row_mask[:, None] & col_mask[None, :]
     earlier = (row_t[:, None] > col_t[None, :]) & both_valid
     same = (row_t[:, None] == col_t[None, :]) & both_valid
-    decay = tl.exp(tl.where(earlier, da_row[:, None] - da_col[None, :], 0.0))
+    decay = exp_fp32(tl.where(earlier, da_row[:, None] - da_col[None, :], 0.0), PRECISE_EXP)
     return tl.where(earlier, decay * ts_col[None, :], tl.where(same, gamma_row[:, None], 0.0))
 
 
