@@ -104,9 +104,10 @@ def _span_da_cs(da_cs_ptr, disc, t, C: gl.constexpr, SPAN: gl.constexpr):
 @gluon.jit
 def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc, q_bias_ptr, k_bias_ptr,
                              psi_ptr, d_ptr, v_ptr, da_cs_ptr, gamma_ptr, trap_scale_ptr, qk_dot_ptr, raw_y_ptr,
-                             raw_y_scale_ptr, S, H, G, NCH, RD,
+                             raw_y_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, S, H, G, NCH, RD,
+                             CHUNKS_PER_SEG, N_SEGMENTS,
                              C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
-                             BLOCK_P: gl.constexpr, SPAN: gl.constexpr, HAS_D: gl.constexpr,
+                             BLOCK_P: gl.constexpr, SPAN: gl.constexpr, ADD_ENTRY: gl.constexpr, HAS_D: gl.constexpr,
                              num_warps: gl.constexpr):
     # A span of SPAN chunks (L tokens) is read as one chunk, as chunk_scan's span_chunks: raw_y does not depend on
     # where chunks are cut; the state read is the one entering the span.
@@ -173,6 +174,22 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
 
     mbarrier.wait(bar, 0)
     mbarrier.invalidate(bar)
+    if ADD_ENTRY:
+        # Local-state schedule (one chunk a program): the boxes hold the segment-local state; the state entering the
+        # chunk adds its segment's entry state times its decay from the segment start.  It replaces the boxes (as
+        # the B operand, bf16 as chunk_scan's dot operand) and the local state in ``states`` (the output).
+        seg = span // CHUNKS_PER_SEG
+        if seg > 0:
+            entry_scale = gl.load(entry_decay_ptr + bh * NCH + span)
+            fix_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
+            n_rows = gl.arange(0, 64, gl.SliceLayout(1, fix_layout))
+            p_cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, fix_layout))
+            for i in gl.static_range(2 * PIECES):
+                offs = ((i // PIECES) * HALF + (i % PIECES) * 64 + n_rows)[:, None] * P + p_cols[None, :]
+                full = state_bufs.index(i).load(fix_layout).to(gl.float32) + entry_scale * gl.load(
+                    seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + offs)
+                state_bufs.index(i).store(full.to(gl.bfloat16))
+                gl.store(states_ptr + (bh * NCH + span) * N * P + offs, full.to(gl.bfloat16))
     _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, L, R, N, num_warps)
     _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, L, R, N, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
@@ -272,14 +289,18 @@ def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p,
 
 
 def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale,
-                     states, qk_dot, raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, **_unused):
-    """``chunk_scan(raw_y=..., raw_y_scale=...)`` with two-pass states (fp16 raw_y), through the probe kernel: a
-    program per (P tile, span of ``span_chunks`` chunks, (b, h))."""
+                     states, qk_dot, raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, seg_entry=None,
+                     entry_decay=None, chunks_per_segment=1, **_unused):
+    """``chunk_scan(raw_y=..., raw_y_scale=...)`` (fp16 raw_y) through the probe kernel: a program per (P tile, span
+    of ``span_chunks`` chunks, (b, h)).  With ``seg_entry`` and ``entry_decay`` (the local-state schedule, one chunk
+    a span) ``states`` holds segment-local states on entry and full ones on return, as chunk_scan does."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
     problems = shape_problems(S=S, R=R, N=N, P=P, RD=RD, H=H, chunk_size=chunk_size, block_p=block_p,
                               span_chunks=span_chunks)
+    if seg_entry is not None and span_chunks != 1:
+        problems.append(f"one chunk a span with segment entry states, got span_chunks={span_chunks}")
     if problems:
         raise ValueError("gluon_chunk_scan: needs " + "; ".join(problems))
     found = descriptors(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
@@ -288,11 +309,14 @@ def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v,
     launch(_gluon_chunk_scan_kernel, (P // block_p, S // (chunk_size * span_chunks), B * H),
            found["q_desc"], found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"],
            found["states_desc"], q_bias, k_bias, mimo_v, q_bias if d is None else d, v, da_cs, gamma, trap_scale,
-           qk_dot, raw_y, raw_y_scale, S, H, G, cdiv(S, chunk_size), RD,
-           C=chunk_size, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span_chunks, HAS_D=d is not None, num_warps=4)
+           qk_dot, raw_y, raw_y_scale, states, q_bias if seg_entry is None else seg_entry,
+           q_bias if entry_decay is None else entry_decay, S, H, G, cdiv(S, chunk_size), RD, chunks_per_segment,
+           1 if seg_entry is None else seg_entry.shape[2],
+           C=chunk_size, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span_chunks, ADD_ENTRY=seg_entry is not None,
+           HAS_D=d is not None, num_warps=4)
 
 
-def compile_for_sm90(case, *, block_p=64, has_d=True):
+def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False):
     """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed; spans of as many
     chunks as make R * C * span = 64 rows."""
     from gluon_scan_probe import _Shaped
@@ -318,10 +342,11 @@ def compile_for_sm90(case, *, block_p=64, has_d=True):
     types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p,
                                                                    span_chunks=span).items()}
     types.update({name: "*fp32" for name in ("q_bias_ptr", "k_bias_ptr", "psi_ptr", "d_ptr", "da_cs_ptr", "gamma_ptr",
+                                             "seg_entry_ptr", "entry_decay_ptr",
                                              "trap_scale_ptr", "qk_dot_ptr", "raw_y_scale_ptr")})
-    types.update(v_ptr="*bf16", raw_y_ptr="*fp16")
-    types.update({name: "i32" for name in ("S", "H", "G", "NCH", "RD")})
-    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span, HAS_D=has_d, num_warps=4)
+    types.update(v_ptr="*bf16", raw_y_ptr="*fp16", states_ptr="*bf16")
+    types.update({name: "i32" for name in ("S", "H", "G", "NCH", "RD", "CHUNKS_PER_SEG", "N_SEGMENTS")})
+    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span, ADD_ENTRY=add_entry, HAS_D=has_d, num_warps=4)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_chunk_scan_kernel.arg_names}
     source = GluonASTSource(_gluon_chunk_scan_kernel, signature, constants)
@@ -329,7 +354,8 @@ def compile_for_sm90(case, *, block_p=64, has_d=True):
 
 
 def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale, states, qk_dot,
-            raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, **_unused):
+            raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, seg_entry=None, entry_decay=None,
+            chunks_per_segment=1, **_unused):
     """The probe's programs in torch on the host (fp32 products): its boxes (``descriptors``, the same coordinates,
     TMA's zero fill), in-place rotation, weights, products and stores.  Checks the descriptors and the index arithmetic
     where Gluon cannot run."""
@@ -371,6 +397,12 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
         state = torch.cat([read_box(found["states_desc"], [(bh * S // C + span * span_chunks) * N + half * HALF
                                                            + j * PIECE, p0])
                            for half in range(2) for j in range(pieces)]).float()
+        seg = span // chunks_per_segment
+        if seg_entry is not None and seg > 0:
+            entry_state = seg_entry.reshape(B * H, -1, N, P)[bh, seg, :, p0:p0 + block_p]
+            full = (state + entry_decay.reshape(B * H, -1)[bh, span] * entry_state).to(states.dtype)
+            states.reshape(B * H, -1, N, P)[bh, span, :, p0:p0 + block_p] = full
+            state = full.float()
         disc = bh * S + t0
         # da_cs restarts every chunk: re-based to the span's start by its earlier chunks' log decays.
         da = da_cs.reshape(-1)[disc + t] + sum(torch.where(t // C > i, da_cs.reshape(-1)[disc + i * C + C - 1], 0.0)
@@ -407,11 +439,14 @@ def _small_problem(device, seed, chunk_size=16):
                        chunk_size=chunk_size, dtype=torch.bfloat16, seed=seed, dA_scale=0.1, device=device)
 
 
-def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1):
+def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1, local=False):
     """{"raw_y", "qk_dot": max error / max magnitude} of ``run`` (the probe's signature) against the production
-    ``chunk_scan`` on the same two-pass states; every output starts as NaN."""
+    ``chunk_scan`` on the same two-pass states; every output starts as NaN.  ``local``: segment-local states with
+    the segments' entry states (``chunk_local_states``, ``segment_entry_states``), and "states": the full states
+    both write back over their copies of the local ones."""
     from mamba3_mimo.ops.chunk_scan import chunk_scan
-    from mamba3_mimo.ops.chunk_state import chunk_states, segment_end_states
+    from mamba3_mimo.ops.chunk_state import chunk_local_states, chunk_states, segment_end_states
+    from mamba3_mimo.ops.state_passing import segment_entry_states
     from mamba3_mimo.ops.token_tables import token_tables
 
     B, S, R, G, N = inputs["q"].shape
@@ -424,26 +459,41 @@ def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1):
                   trap_scale=trap_scale, chunk_size=C, block_p=block_p, dot_dtype=dot_dtype, dot_precision="ieee")
     states = torch.empty((B, H, S // C, N, P), dtype=torch.bfloat16, device=device)
     scan = dict(common, n_segments=2, chunks_per_segment=S // C // 2, block_half=N // 2, num_warps=4)
-    seg_end = segment_end_states(**scan, span_chunks=1)
-    chunk_states(**scan, seg_state=seg_end, states=states, span_chunks=1)
-    output = dict(common, q=inputs["q"], q_bias=inputs["q_bias"], d=inputs["d"], states=states)
+    entry = {}
+    if local:
+        seg_entry = chunk_local_states(**scan, states=states, span_chunks=1)
+        entry = dict(seg_entry=seg_entry, chunks_per_segment=scan["chunks_per_segment"],
+                     entry_decay=segment_entry_states(seg_state=seg_entry, da_cs=inputs["da_cs"], chunk_size=C,
+                                                      chunks_per_segment=scan["chunks_per_segment"]))
+    else:
+        seg_end = segment_end_states(**scan, span_chunks=1)
+        chunk_states(**scan, seg_state=seg_end, states=states, span_chunks=1)
+    output = dict(common, q=inputs["q"], q_bias=inputs["q_bias"], d=inputs["d"], **entry)
     results = {}
     for name, call in (("production", chunk_scan), ("probe", run)):
         qk_dot = torch.full((B, H, S, R, R), float("nan"), device=device)
         raw_y = torch.full((B, H, S, R, P), float("nan"), dtype=torch.float16, device=device)
         raw_y_scale = torch.full((B, H, S, R, P // block_p), float("nan"), device=device)
-        call(**output, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale, span_chunks=span_chunks)
-        results[name] = (raw_y.float() * raw_y_scale.repeat_interleave(block_p, dim=-1), qk_dot)
-    (want_y, want_qk), (got_y, got_qk) = results["production"], results["probe"]
-    return dict(raw_y=float((got_y - want_y).abs().max() / want_y.abs().max()),
-                qk_dot=float((got_qk - want_qk).abs().max() / want_qk.abs().max()))
+        own_states = states.clone()  # both write the full states back in the local schedule
+        call(**output, states=own_states, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale,
+             span_chunks=span_chunks)
+        results[name] = (raw_y.float() * raw_y_scale.repeat_interleave(block_p, dim=-1), qk_dot, own_states.float())
+    (want_y, want_qk, want_states), (got_y, got_qk, got_states) = results["production"], results["probe"]
+    errors = dict(raw_y=float((got_y - want_y).abs().max() / want_y.abs().max()),
+                  qk_dot=float((got_qk - want_qk).abs().max() / want_qk.abs().max()))
+    if local:
+        errors["states"] = float((got_states - want_states).abs().max() / want_states.abs().max())
+    return errors
 
 
 def _check(device, run, dot_dtype, seed):
-    """{"raw_y", "qk_dot"}: one chunk of 16 a program; {"raw_y_span2", "qk_dot_span2"}: spans of two chunks of 8."""
+    """{"raw_y", "qk_dot"}: one chunk of 16 a program; "_span2": spans of two chunks of 8; "_local": the local-state
+    schedule's segment entry (and "states_local", the states written back)."""
     errors = _against_production(_small_problem(device, seed), run, dot_dtype)
     spans = _against_production(_small_problem(device, seed, chunk_size=8), run, dot_dtype, span_chunks=2)
-    return dict(errors, **{name + "_span2": error for name, error in spans.items()})
+    local = _against_production(_small_problem(device, seed), run, dot_dtype, local=True)
+    return dict(errors, **{name + "_span2": error for name, error in spans.items()},
+                **{name + "_local": error for name, error in local.items()})
 
 
 def check_emulation(seed=7):
@@ -463,8 +513,9 @@ def check_gpu(seed=7):
 
 
 class probe_in_production:
-    """Within it, production calls run the probe in place of ``chunk_scan`` where it covers the call (two passes:
-    no segment-entry term; an fp16 raw_y; one span a program) and count those calls in ``self.calls``."""
+    """Within it, production calls run the probe in place of ``chunk_scan`` where it covers the call (an fp16 raw_y;
+    one span a program; one chunk a span with the local-state schedule's entry states) and count those calls in
+    ``self.calls``."""
 
     def __enter__(self):
         from mamba3_mimo.ops import production
@@ -475,8 +526,8 @@ class probe_in_production:
         def chunk_scan(**kwargs):
             q, v, raw_y = kwargs["q"], kwargs["v"], kwargs.get("raw_y")
             B, S, R, G, N = q.shape
-            covered = (raw_y is not None and raw_y.dtype == torch.float16 and kwargs.get("seg_entry") is None
-                       and kwargs.get("spans_per_program", 1) == 1
+            covered = (raw_y is not None and raw_y.dtype == torch.float16 and kwargs.get("spans_per_program", 1) == 1
+                       and (kwargs.get("seg_entry") is None or kwargs.get("span_chunks", 1) == 1)
                        and q.dtype == v.dtype == torch.bfloat16 and kwargs["states"].dtype in STATES_DTYPES
                        and not shape_problems(S=S, R=R, N=N, P=v.shape[3], RD=kwargs["cos_angles"].shape[3],
                                               H=v.shape[2], chunk_size=kwargs["chunk_size"],
@@ -504,8 +555,9 @@ def _forget_recorded_calls():
 
 def time_case(case, *, n_segments=None):
     """Hopper GPU, an official shape (B=4, S=2048, H=16, bf16, Z on): graph us and per-kernel us of whole calls with
-    the dispatcher's config, with two passes and the Gluon state scan, and the same with the probe as chunk_scan;
-    and the last one's accuracy against the float64 reference on a smaller problem (B=1, S=512, H=4)."""
+    the dispatcher's config, the same with the probe as chunk_scan, two passes with the Gluon state scan, and those
+    with the probe (P tiles of at most 64); and the probe's accuracy against the float64 reference on a smaller
+    problem (B=1, S=512, H=4) in both schedules."""
     import dataclasses
 
     from mamba3_mimo.accuracy import check_outputs
@@ -519,25 +571,27 @@ def time_case(case, *, n_segments=None):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = choose_config(B=4, H=16, S=2048, num_sms=num_sms, **shape)
     two = dataclasses.replace(base, local_states=False, gluon_scan=True, n_segments=n_segments or base.n_segments)
-    probe_config = dataclasses.replace(two, out_block_p=min(two.out_block_p, 64))  # the probe's P tiles: 32 or 64
+    # The probe's P tiles are 32 or 64.
+    base_probe = dataclasses.replace(base, out_block_p=min(base.out_block_p, 64))
+    two_probe = dataclasses.replace(two, out_block_p=min(two.out_block_p, 64))
     input_sets = [make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
                   for seed in (0, 1)]
     record = dict(case=case, n_segments=two.n_segments)
-    for name, config, probe in (("dispatcher", base, False), ("two_pass", two, False),
-                                 ("two_pass_probe", probe_config, True)):
+    for name, config, probe in (("dispatcher", base, False), ("dispatcher_probe", base_probe, True),
+                                 ("two_pass", two, False), ("two_pass_probe", two_probe, True)):
         with probe_in_production() if probe else contextlib.nullcontext() as patch:
             record[name + "_graph_us"] = graph_time(input_sets, "production", torch.bfloat16, config=config) * 1e3
             record[name + "_kernels_us"] = kernel_breakdown(input_sets[0], "production", torch.bfloat16,
                                                             config=config)[0]
             if probe:
-                record["probe_calls"] = len(patch.calls)
+                record[name + "_calls"] = len(patch.calls)
                 inputs = make_inputs(B=1, S=512, H=4, G=1, dtype=torch.bfloat16, device="cuda", seed=3, **shape)
-                small = dataclasses.replace(probe_config, n_segments=2)
+                small = dataclasses.replace(config, n_segments=2)
                 outputs = bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=small)
                 golden = bwd_fwd_reference(**inputs, compute_dtype=torch.float64)
                 bench = bwd_fwd_reference(**inputs, compute_dtype=torch.bfloat16)
                 checks = check_outputs(outputs, golden, bench, torch.bfloat16, torch.bfloat16)
-                record["accuracy"] = {check.name: check.passed for check in checks}
+                record[name + "_accuracy"] = {check.name: check.passed for check in checks}
     return record
 
 
@@ -567,9 +621,15 @@ def main(argv=None):
     if args.compile_only:
         from gluon_scan_probe import summary
 
+        from mamba3_mimo.bench import parse_case
+
         for case in args.cases:
             block_p = 32 if "P32" in case else 64
-            print(dict(case=case, block_p=block_p, **summary(compile_for_sm90(case, block_p=block_p))), flush=True)
+            shape = parse_case(case)
+            # The local-state schedule's entry term where a program takes one chunk.
+            for add_entry in (False, True) if shape["R"] * shape["chunk_size"] == ROWS else (False,):
+                print(dict(case=case, block_p=block_p, add_entry=add_entry,
+                           **summary(compile_for_sm90(case, block_p=block_p, add_entry=add_entry))), flush=True)
 
 
 if __name__ == "__main__":
