@@ -1,4 +1,4 @@
-"""A first Gluon form of chunk_scan (the output stage's raw_y), for the two-pass schedule: compiled, emulated, not run.
+"""A first Gluon form of chunk_scan (the output stage's raw_y): compiled, emulated, not run on a GPU yet.
 
     python benchmarks/gluon_chunk_scan_probe.py --compile-only   # no GPU: compiled for sm_90, resources and SASS
     python benchmarks/gluon_chunk_scan_probe.py --emulate        # no GPU: its programs replayed in torch against
@@ -6,8 +6,7 @@
 
 Not in the package and never run on a GPU (written in the twenty-fifth session after its device time was spent):
 the next device session's candidate for docs/optimization.md section 34's plan.  What it computes is
-``chunk_scan(raw_y=...)`` of ``mamba3_mimo/ops/chunk_scan.py`` with the entering states of the two-pass schedule
-(no segment-entry term): per (P tile, chunk, (b, h)),
+``chunk_scan(raw_y=...)`` of ``mamba3_mimo/ops/chunk_scan.py``: per (P tile, chunk or span of chunks, (b, h)),
 
     scores = q~ k~^T                                       [R * C, R * C], rows (rank, token): rank-major here
     raw_y  = (scores * W) psiv + exp(da_cs) (q~ state_in) + D psiv          [R * C, P tile]
@@ -20,9 +19,11 @@ for at once on one mbarrier (q and k as [R, C, 64] boxes of [R, B * S, G * N] vi
 scan; cos / sin [C, 64]; v [C, P tile]; the entering state as [64, P tile] bf16 boxes, the B operand of q~ @ state
 as they land), and the programs resident on an SM hide each other's loads.  q and k are rotated in place in shared
 memory; three wgmma chains: scores (K = N), q~ @ state (K = N), then the weighted scores as bf16 times psiv.
-Scope: N a multiple of 128 within 99 KB (not N = 256: 122 KB), R * C * span_chunks = 64 (wgmma's M for one
-warpgroup: R4_C16, R8_C8, R2_C32, R1_C64 one chunk a program, N128_P128_R4_C8 in spans of two as its dispatcher
-config has them), a P tile of 32 or 64, S a multiple of the span, bf16 q / k / v / states, 16-bit tables.
+With the local-state schedule's entry states (``seg_entry``, one chunk a program) it also adds them to the state
+boxes and writes the full states back, as chunk_scan does.  Scope: N = 64 (32-wide pieces) or a multiple of 128
+within 99 KB (not N = 256: 122 KB), R * C * span_chunks = 64 (wgmma's M for one warpgroup: R4_C16, R8_C8, R2_C32,
+R1_C64 one chunk a program, N128_P128_R4_C8 in spans of two as its dispatcher config has them), a P tile of 32 or
+64, S a multiple of the span, bf16 q / k / v / states, 16-bit tables.
 """
 
 import argparse
@@ -49,7 +50,12 @@ from mamba3_mimo.ops.launch import launch  # noqa: E402
 # dtypes of the entering states the kernel's boxes take (the CPU wiring test adds fp32, which the interpreter path's
 # state hand-off is, for ``emulate``).
 STATES_DTYPES = (torch.bfloat16,)
-PIECE = 64  # columns of a q / k / cos / sin box and rows of a state box: one 128-byte swizzled bf16 row
+PIECE = 64  # columns of a q / k / cos / sin box and rows of a state box: one 128-byte swizzled bf16 row (32 at N = 64)
+
+
+def piece_width(N):
+    """Columns of a q / k / cos / sin box and rows of a state box: 64, or N / 2 = 32 at N = 64."""
+    return min(PIECE, N // 2)
 ROWS = 64  # (rank, token) rows of a program: wgmma's M for one warpgroup
 SMEM_LIMIT = 101_376  # the project's per-launch bound (99 KB)
 
@@ -71,19 +77,24 @@ def _acc_layout(cols, num_warps):
 def _rotate_in_place(bufs, cos_bufs, sin_bufs, bias_ptr, h, RD, C: gl.constexpr, R: gl.constexpr,
                      N: gl.constexpr, num_warps: gl.constexpr):
     """q or k + its bias, rotated by the tokens' angles, written back over the boxes as bf16.  ``bufs`` [2 * pieces,
-    R, C, 64]: the lo half's pieces, then the hi half's (piece j of each half pairs with the other's)."""
+    R, C, width]: the lo half's pieces, then the hi half's (piece j of each half pairs with the other's)."""
     HALF: gl.constexpr = N // 2
-    PIECES: gl.constexpr = HALF // 64
-    layout: gl.constexpr = _rows_layout(64, num_warps)
-    col = gl.arange(0, 64, gl.SliceLayout(0, layout))
+    WIDTH: gl.constexpr = bufs.type.shape[3]  # 64, or 32 at N = 64
+    PIECES: gl.constexpr = HALF // WIDTH
+    if WIDTH < 64:
+        # 4 columns (8 bytes) a thread, as the Gluon state scan's 32-wide tiles.
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    else:
+        layout: gl.constexpr = _rows_layout(WIDTH, num_warps)
+    col = gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
     for j in gl.static_range(PIECES):
-        rotated = (j * 64 + col < RD)[None, :]
+        rotated = (j * WIDTH + col < RD)[None, :]
         cos = gl.where(rotated, cos_bufs.index(j).load(layout).to(gl.float32), 1.0)
         sin = gl.where(rotated, sin_bufs.index(j).load(layout).to(gl.float32), 0.0)
-        lo_rows = bufs.index(j).reshape([R * C, 64])
-        hi_rows = bufs.index(PIECES + j).reshape([R * C, 64])
+        lo_rows = bufs.index(j).reshape([R * C, WIDTH])
+        hi_rows = bufs.index(PIECES + j).reshape([R * C, WIDTH])
         for r in gl.static_range(R):
-            bias = bias_ptr + (h * R + r) * N + j * 64 + col
+            bias = bias_ptr + (h * R + r) * N + j * WIDTH + col
             x_lo = lo_rows.slice(r * C, C).load(layout).to(gl.float32) + gl.load(bias)[None, :]
             x_hi = hi_rows.slice(r * C, C).load(layout).to(gl.float32) + gl.load(bias + HALF)[None, :]
             # Each thread writes back the elements it read (one layout both ways): in place is safe.
@@ -112,7 +123,8 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
     # A span of SPAN chunks (L tokens) is read as one chunk, as chunk_scan's span_chunks: raw_y does not depend on
     # where chunks are cut; the state read is the one entering the span.
     HALF: gl.constexpr = N // 2
-    PIECES: gl.constexpr = HALF // 64
+    WIDTH: gl.constexpr = q_desc.block_type.shape[2]  # columns of a piece: 64, or 32 at N = 64
+    PIECES: gl.constexpr = HALF // WIDTH
     L: gl.constexpr = C * SPAN
     RC: gl.constexpr = R * L
     P_TILES: gl.constexpr = P // BLOCK_P
@@ -144,14 +156,14 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
     mbarrier.expect(bar, 2 * 2 * PIECES * q_desc.block_type.nbytes + 2 * PIECES * cos_desc.block_type.nbytes
                     + v_desc.block_type.nbytes + 2 * PIECES * states_desc.block_type.nbytes)
     for i in gl.static_range(2 * PIECES):
-        column = g * N + (i // PIECES) * HALF + (i % PIECES) * 64
+        column = g * N + (i // PIECES) * HALF + (i % PIECES) * WIDTH
         tma.async_copy_global_to_shared(q_desc, [0, row, column], bar, q_bufs.index(i))
         tma.async_copy_global_to_shared(k_desc, [0, row, column], bar, k_bufs.index(i))
-        state_row = (bh * NCH + span * SPAN) * N + (i // PIECES) * HALF + (i % PIECES) * 64
+        state_row = (bh * NCH + span * SPAN) * N + (i // PIECES) * HALF + (i % PIECES) * WIDTH
         tma.async_copy_global_to_shared(states_desc, [state_row, p0], bar, state_bufs.index(i))
     for j in gl.static_range(PIECES):
-        tma.async_copy_global_to_shared(cos_desc, [row, h * RD + j * 64], bar, cos_bufs.index(j))
-        tma.async_copy_global_to_shared(sin_desc, [row, h * RD + j * 64], bar, sin_bufs.index(j))
+        tma.async_copy_global_to_shared(cos_desc, [row, h * RD + j * WIDTH], bar, cos_bufs.index(j))
+        tma.async_copy_global_to_shared(sin_desc, [row, h * RD + j * WIDTH], bar, sin_bufs.index(j))
     tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_smem)
 
     # Per-(rank, token) row and per-column vectors of the [RC, RC] scores and the [RC, P tile] outputs; rows are
@@ -182,10 +194,10 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
         if seg > 0:
             entry_scale = gl.load(entry_decay_ptr + bh * NCH + span)
             fix_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
-            n_rows = gl.arange(0, 64, gl.SliceLayout(1, fix_layout))
+            n_rows = gl.arange(0, WIDTH, gl.SliceLayout(1, fix_layout))
             p_cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, fix_layout))
             for i in gl.static_range(2 * PIECES):
-                offs = ((i // PIECES) * HALF + (i % PIECES) * 64 + n_rows)[:, None] * P + p_cols[None, :]
+                offs = ((i // PIECES) * HALF + (i % PIECES) * WIDTH + n_rows)[:, None] * P + p_cols[None, :]
                 full = state_bufs.index(i).load(fix_layout).to(gl.float32) + entry_scale * gl.load(
                     seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + offs)
                 state_bufs.index(i).store(full.to(gl.bfloat16))
@@ -203,8 +215,8 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
     scores = gl.zeros([RC, RC], gl.float32, scores_layout)
     y_state = gl.zeros([RC, BLOCK_P], gl.float32, y_layout)
     for i in gl.static_range(2 * PIECES):
-        q_rows = q_bufs.index(i).reshape([RC, 64])
-        scores = warpgroup_mma(q_rows, k_bufs.index(i).reshape([RC, 64]).permute((1, 0)), scores, is_async=True)
+        q_rows = q_bufs.index(i).reshape([RC, WIDTH])
+        scores = warpgroup_mma(q_rows, k_bufs.index(i).reshape([RC, WIDTH]).permute((1, 0)), scores, is_async=True)
         y_state = warpgroup_mma(q_rows, state_bufs.index(i), y_state, is_async=True)
     scores, y_state = warpgroup_mma_wait(0, deps=(scores, y_state))
 
@@ -238,18 +250,20 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
 
 
 def shared_bytes(*, N, R, block_p):
-    """The probe's shared memory but for its mbarrier (8 bytes): q, k and the entering state in 64-wide pieces, the
-    cos / sin pieces of the span's L = 64 / R tokens, v, psiv and the weighted scores."""
-    pieces, tokens = N // PIECE, ROWS // R
-    return (2 * pieces * ROWS * PIECE * 2 + pieces * PIECE * block_p * 2 + pieces * tokens * PIECE * 2
+    """The probe's shared memory but for its mbarrier (8 bytes): q, k and the entering state in pieces of
+    ``piece_width`` columns / rows, the cos / sin pieces of the span's L = 64 / R tokens, v, psiv and the weighted
+    scores."""
+    width = piece_width(N)
+    pieces, tokens = N // width, ROWS // R
+    return (2 * pieces * ROWS * width * 2 + pieces * width * block_p * 2 + pieces * tokens * width * 2
             + tokens * block_p * 2 + ROWS * block_p * 2 + ROWS * ROWS * 2)
 
 
 def shape_problems(*, S, R, N, P, RD, H, chunk_size, block_p, span_chunks=1):
     """What keeps the probe's boxes from covering a problem (empty where they do)."""
     problems = []
-    if N % 128:
-        problems.append(f"N a multiple of 128, got {N}")
+    if N % 128 and N != 64:
+        problems.append(f"N = 64 or a multiple of 128, got {N}")
     L = chunk_size * span_chunks
     if R * L != ROWS:
         problems.append(f"R * C * span_chunks = {ROWS} rows (one warpgroup's wgmma M), got R={R}, C={chunk_size}, "
@@ -258,7 +272,7 @@ def shape_problems(*, S, R, N, P, RD, H, chunk_size, block_p, span_chunks=1):
         problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
     if S % L:
         problems.append(f"S a multiple of C * span_chunks, got S={S}")
-    if not N % 128 and shared_bytes(N=N, R=R, block_p=block_p) + 8 > SMEM_LIMIT:
+    if (N == 64 or not N % 128) and shared_bytes(N=N, R=R, block_p=block_p) + 8 > SMEM_LIMIT:
         problems.append(f"shared memory within 99 KB, got {shared_bytes(N=N, R=R, block_p=block_p) + 8} at N={N}")
     if (H * RD * 2) % 16:
         problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {H * RD}")
@@ -270,7 +284,7 @@ def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p,
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
-    C = chunk_size * span_chunks
+    C, width = chunk_size * span_chunks, piece_width(N)
     states_rows = states.shape[0] * states.shape[1] * states.shape[2] * states.shape[3]
 
     def box(tensor, shape, strides, block):
@@ -279,12 +293,12 @@ def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p,
                                 gl.NVMMASharedLayout.get_default_for(block, element))
 
     return dict(
-        q_desc=box(q, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, PIECE]),
-        k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, PIECE]),
-        cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, PIECE]),
-        sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, PIECE]),
+        q_desc=box(q, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, width]),
+        k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, width]),
+        cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, width]),
+        sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, width]),
         v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
-        states_desc=box(states, [states_rows, P], [P, 1], [PIECE, block_p]),
+        states_desc=box(states, [states_rows, P], [P, 1], [width, block_p]),
     )
 
 
@@ -365,7 +379,8 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
     C, HALF, L = chunk_size, N // 2, chunk_size * span_chunks
-    RC, pieces = R * L, HALF // PIECE
+    width = piece_width(N)
+    RC, pieces = R * L, HALF // width
     found = descriptors(q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states, chunk_size=C,
                         block_p=block_p, span_chunks=span_chunks)
     t = torch.arange(RC) % L
@@ -379,14 +394,14 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
         row = b * S + t0
 
         def rotated(desc, bias):
-            halves = [[read_box(desc, [0, row, g * N + half * HALF + j * PIECE]).float().reshape(RC, PIECE)
+            halves = [[read_box(desc, [0, row, g * N + half * HALF + j * width]).float().reshape(RC, width)
                        for j in range(pieces)] for half in range(2)]
             out = []
             for j in range(pieces):
-                cols = j * PIECE + torch.arange(PIECE)
+                cols = j * width + torch.arange(width)
                 spin = cols < RD
-                cos = torch.where(spin, read_box(found["cos_desc"], [row, h * RD + j * PIECE]).float(), 1.0)
-                sin = torch.where(spin, read_box(found["sin_desc"], [row, h * RD + j * PIECE]).float(), 0.0)
+                cos = torch.where(spin, read_box(found["cos_desc"], [row, h * RD + j * width]).float(), 1.0)
+                sin = torch.where(spin, read_box(found["sin_desc"], [row, h * RD + j * width]).float(), 0.0)
                 cos, sin = cos.repeat(R, 1), sin.repeat(R, 1)  # rank-major rows share their token's angles
                 lo = halves[0][j] + bias[h][r_of][:, cols]
                 hi = halves[1][j] + bias[h][r_of][:, HALF + cols]
@@ -395,7 +410,7 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
 
         q_rot, k_rot = rotated(found["q_desc"], q_bias), rotated(found["k_desc"], k_bias)
         state = torch.cat([read_box(found["states_desc"], [(bh * S // C + span * span_chunks) * N + half * HALF
-                                                           + j * PIECE, p0])
+                                                           + j * width, p0])
                            for half in range(2) for j in range(pieces)]).float()
         seg = span // chunks_per_segment
         if seg_entry is not None and seg > 0:
@@ -430,12 +445,12 @@ def emulate(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs
         raw_y_scale.view(-1, P // block_p)[rows, pid_p] = unscale
 
 
-def _small_problem(device, seed, chunk_size=16):
-    """A two-pass schedule over two P tiles and two segments (N128_P128_R4 at test size); dA_scale 0.1 so that the
-    state term weighs in."""
+def _small_problem(device, seed, chunk_size=16, N=128):
+    """Two P tiles and two segments (N128_P128_R4, or N64_P128_R4, at test size); dA_scale 0.1 so that the state term
+    weighs in."""
     from mamba3_mimo.inputs import make_inputs
 
-    return make_inputs(B=1 if device == "cpu" else 2, S=64 if device == "cpu" else 256, H=2, G=1, N=128, P=128, R=4,
+    return make_inputs(B=1 if device == "cpu" else 2, S=64 if device == "cpu" else 256, H=2, G=1, N=N, P=128, R=4,
                        chunk_size=chunk_size, dtype=torch.bfloat16, seed=seed, dA_scale=0.1, device=device)
 
 
@@ -488,12 +503,15 @@ def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1, local
 
 def _check(device, run, dot_dtype, seed):
     """{"raw_y", "qk_dot"}: one chunk of 16 a program; "_span2": spans of two chunks of 8; "_local": the local-state
-    schedule's segment entry (and "states_local", the states written back)."""
+    schedule's segment entry (and "states_local", the states written back); "_n64": N = 64 (32-wide pieces) in the
+    local-state schedule."""
     errors = _against_production(_small_problem(device, seed), run, dot_dtype)
     spans = _against_production(_small_problem(device, seed, chunk_size=8), run, dot_dtype, span_chunks=2)
     local = _against_production(_small_problem(device, seed), run, dot_dtype, local=True)
+    n64 = _against_production(_small_problem(device, seed, N=64), run, dot_dtype, local=True)
     return dict(errors, **{name + "_span2": error for name, error in spans.items()},
-                **{name + "_local": error for name, error in local.items()})
+                **{name + "_local": error for name, error in local.items()},
+                **{name + "_n64": error for name, error in n64.items()})
 
 
 def check_emulation(seed=7):
@@ -596,7 +614,7 @@ def time_case(case, *, n_segments=None):
 
 
 CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32", "N128_P64_R1_C64",
-         "N128_P128_R4_C8"]
+         "N128_P128_R4_C8", "N64_P64_R4_C16", "N64_P128_R4_C16"]
 
 
 def main(argv=None):

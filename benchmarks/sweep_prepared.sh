@@ -165,8 +165,8 @@ case "${PART:-1}" in
     mkdir -p "$OUT/gluon_chunk_scan_probe"
     if timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gluon_chunk_scan_probe as p; \
         e = p.check_gpu(); print(e); sys.exit(max(e.values()) > 1e-2)" 2>&1 | tail -n 4; then
-      timeout 420 python3 benchmarks/gluon_chunk_scan_probe.py --gpu --cases N128_P64_R4_C16 N128_P128_R4_C8 \
-        N128_P32_R4_C16 --json "$OUT/gluon_chunk_scan_probe/probe.json" 2>&1 | tail -n 6
+      timeout 460 python3 benchmarks/gluon_chunk_scan_probe.py --gpu --cases N64_P128_R4_C16 N128_P64_R4_C16 \
+        N128_P128_R4_C8 --json "$OUT/gluon_chunk_scan_probe/probe.json" 2>&1 | tail -n 6
     fi
     ;;
   *)

@@ -37,16 +37,16 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="production chun
 @CPU_ONLY
 def test_emulated_programs_match_the_production_chunk_scan():
     # Chunks of 16, spans of two chunks of 8 (the two-pass official shapes' form), and the local-state schedule's
-    # entry states (with the states written back).  Planted faults gave 0.079 (no exp(da_cs) on the state term), 0.10
-    # (no gamma on the diagonal), NaN (raw_y rows token-major), an index error (the RD mask one column off), 0.046
-    # in the spans only (da_cs not re-based to the span's start), states 0.63 / 0.16 (no entry state; the previous
-    # chunk's decay).
+    # entry states (with the states written back), at N = 128 and at N = 64 (32-wide pieces).  Planted faults gave
+    # 0.079 (no exp(da_cs) on the state term), 0.10 (no gamma on the diagonal), NaN (raw_y rows token-major), an index
+    # error (the RD mask one column off), 0.046 in the spans only (da_cs not re-based to the span's start), states
+    # 0.63 / 0.16 (no entry state; the previous chunk's decay).
     errors = gluon_chunk_scan_probe.check_emulation()
     assert max(errors.values()) <= 1e-2, errors
 
 
 def test_probe_refuses_shapes_its_boxes_do_not_cover():
-    problems = gluon_chunk_scan_probe.shape_problems(S=100, R=4, N=64, P=96, RD=16, H=16, chunk_size=8, block_p=64)
+    problems = gluon_chunk_scan_probe.shape_problems(S=100, R=4, N=96, P=96, RD=16, H=16, chunk_size=8, block_p=64)
     assert len(problems) == 4  # N, R * C, the P tile, S % C
     # N256_P64_R4_C8 in spans of two: 122 KB of boxes and operands.
     assert gluon_chunk_scan_probe.shape_problems(S=2048, R=4, N=256, P=64, RD=64, H=16, chunk_size=8, block_p=64,
@@ -56,8 +56,9 @@ def test_probe_refuses_shapes_its_boxes_do_not_cover():
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("chunk_size, span_chunks, local", [(16, 1, False), (8, 2, False), (16, 1, True)])
-def test_probe_in_production_meets_the_contract_through_its_emulation(monkeypatch, chunk_size, span_chunks, local):
+@pytest.mark.parametrize("N, chunk_size, span_chunks, local", [(128, 16, 1, False), (128, 8, 2, False),
+                                                               (128, 16, 1, True), (64, 16, 1, True)])
+def test_probe_in_production_meets_the_contract_through_its_emulation(monkeypatch, N, chunk_size, span_chunks, local):
     """The host wiring the GPU timing uses (``probe_in_production``): a two-pass production call whose chunk_scan is
     the probe, here its torch replay, meets the accuracy contract against the float64 reference."""
     from conftest import run_and_check, seed_for
@@ -67,10 +68,10 @@ def test_probe_in_production_meets_the_contract_through_its_emulation(monkeypatc
     monkeypatch.setattr(gluon_chunk_scan_probe, "gluon_chunk_scan", gluon_chunk_scan_probe.emulate)
     # On the CPU bf16 outputs are written in fp32 (api.kernel_output_dtype), the state hand-off with them.
     monkeypatch.setattr(gluon_chunk_scan_probe, "STATES_DTYPES", (torch.bfloat16, torch.float32))
-    config = ScanConfig(block_p=64, n_segments=2, block_half=64, out_block_p=64, split_gate=True,
+    config = ScanConfig(block_p=64, n_segments=2, block_half=N // 2, out_block_p=64, split_gate=True,
                         half_raw_y=True, out_span_chunks=span_chunks, local_states=local)
     with gluon_chunk_scan_probe.probe_in_production() as patch:
         run_and_check("production", device="cpu", seed=seed_for("probe_in_production"), dtype=torch.bfloat16,
-                      output_dtype=torch.bfloat16, config=config, B=1, S=64, H=2, G=1, N=128, P=64, R=4,
+                      output_dtype=torch.bfloat16, config=config, B=1, S=64, H=2, G=1, N=N, P=64, R=4,
                       chunk_size=chunk_size)
     assert patch.calls == [1]
