@@ -44,6 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from mamba3_mimo.ops.gluon_state_scan import _rows_layout, _state_layout  # noqa: E402  (shared layouts)
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.launch import launch  # noqa: E402
 
@@ -58,19 +59,6 @@ def piece_width(N):
     return min(PIECE, N // 2)
 ROWS = 64  # (rank, token) rows of a program: wgmma's M for one warpgroup
 SMEM_LIMIT = 101_376  # the project's per-launch bound (99 KB)
-
-
-@gluon.constexpr_function
-def _rows_layout(cols, num_warps):
-    """[rows, cols] elementwise tiles: a warp's lanes across the columns, the warps down the rows."""
-    lanes = min(32, cols)
-    return gl.BlockedLayout([1, max(1, cols // 32)], [32 // lanes, lanes], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _acc_layout(cols, num_warps):
-    """A wgmma accumulator [64, cols] of one warpgroup."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
 
 
 @gluon.jit
@@ -168,8 +156,8 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
 
     # Per-(rank, token) row and per-column vectors of the [RC, RC] scores and the [RC, P tile] outputs; rows are
     # rank-major, row = r * L + t.
-    scores_layout: gl.constexpr = _acc_layout(RC, num_warps)
-    y_layout: gl.constexpr = _acc_layout(BLOCK_P, num_warps)
+    scores_layout: gl.constexpr = _state_layout(RC, num_warps)
+    y_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
     rows = gl.arange(0, RC, gl.SliceLayout(1, scores_layout))
     cols = gl.arange(0, RC, gl.SliceLayout(0, scores_layout))
     row_t = rows % L
