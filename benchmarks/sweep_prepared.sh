@@ -4,8 +4,8 @@
 # candidate with the largest predicted effect; run the parts in order.  Parts 3-6 were parts 1-4 in sections 27-28.
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
 # Parts 10-11 (section 33) check and time the warp-specialized Gluon scan; they go first among the untimed parts.
-# Part 12 (section 34) checks and times the Gluon chunk_scan probe.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|12 bash benchmarks/sweep_prepared.sh
+# Part 12 (section 34) checks and times the Gluon chunk_scan probe; part 13 tests the prepared fp32 exp.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|13 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -169,8 +169,19 @@ case "${PART:-1}" in
         N128_P128_R4_C8 --json "$OUT/gluon_chunk_scan_probe/probe.json" 2>&1 | tail -n 6
     fi
     ;;
+  13)
+    # libdevice's exp for fp32 products (host_utils.FP32_PRECISE_EXP, section 34), on for this process only: the
+    # premise (tl.exp's error grows with |x|, libdevice's does not), the fp32 case that failed on the GPU, and every
+    # fp32 test of the official / config / half-rotation and pairwise / tail / rank grids.  If all pass, flip the
+    # default and run final_gpu.sh.
+    mkdir -p "$OUT/fp32_precise_exp"
+    MAMBA3_MIMO_FP32_PRECISE_EXP=1 MAMBA3_MIMO_CHECK_PLAN=1 timeout 400 python3 -m pytest -q -p no:warnings -rf \
+      tests/test_triton_utils.py tests/test_kernels.py -k "exp_fp32 or (half_rotation and dtype2) or \
+      ((gpu_pairwise or gpu_tail or gpu_rank or production_configs) and (fp32 or F32 or float32))" 2>&1 \
+      | tail -n 8 | tee "$OUT/fp32_precise_exp/tests.log"
+    ;;
   *)
-    echo "PART must be 1 to 12" >&2
+    echo "PART must be 1 to 13" >&2
     exit 2
     ;;
 esac
