@@ -211,7 +211,7 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
     if pid_p == 0:
         # Same-token blocks are qk_dot[t, r, r'] (rotation keeps those dots).
         qk_offs = ((bh * S + t0 + row_t) * R + rows // L)[:, None] * R + (cols // L)[None, :]
-        gl.store(qk_dot_ptr + qk_offs, scores, mask=same)
+        gl.store(qk_dot_ptr + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=same)
     mixing_smem.store((scores * weights).to(gl.bfloat16))
     fence_async_shared()
     raw_y = warpgroup_mma(mixing_smem, psiv_smem, gl.zeros([RC, BLOCK_P], gl.float32, y_layout), is_async=True)
@@ -318,7 +318,7 @@ def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v,
            HAS_D=d is not None, num_warps=4)
 
 
-def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False):
+def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False, tables=torch.float16):
     """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed; spans of as many
     chunks as make R * C * span = 64 rows."""
     from gluon_scan_probe import _Shaped
@@ -336,17 +336,18 @@ def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False):
     if problems:
         raise ValueError(f"{case}: " + "; ".join(problems))
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16)}
+    # tables: the rotation tables' dtype (fp16, or bf16 where the swept rule rotates in bf16: production.py).
     fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, G, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, G, N)),
                 v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
-                cos_angles=_Shaped(base[torch.float16], (B, S, H, RD)),
-                sin_angles=_Shaped(base[torch.float16], (B, S, H, RD)),
+                cos_angles=_Shaped(base[tables], (B, S, H, RD)), sin_angles=_Shaped(base[tables], (B, S, H, RD)),
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
     types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p,
                                                                    span_chunks=span).items()}
     types.update({name: "*fp32" for name in ("q_bias_ptr", "k_bias_ptr", "psi_ptr", "d_ptr", "da_cs_ptr", "gamma_ptr",
                                              "seg_entry_ptr", "entry_decay_ptr",
-                                             "trap_scale_ptr", "qk_dot_ptr", "raw_y_scale_ptr")})
-    types.update(v_ptr="*bf16", raw_y_ptr="*fp16", states_ptr="*bf16")
+                                             "trap_scale_ptr", "raw_y_scale_ptr")})
+    # qk_dot in the output dtype (bf16 on the official grid).
+    types.update(v_ptr="*bf16", raw_y_ptr="*fp16", states_ptr="*bf16", qk_dot_ptr="*bf16")
     types.update({name: "i32" for name in ("S", "H", "G", "NCH", "RD", "CHUNKS_PER_SEG", "N_SEGMENTS")})
     constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span, ADD_ENTRY=add_entry, HAS_D=has_d, num_warps=4)
     types.update({name: "constexpr" for name in constants})
