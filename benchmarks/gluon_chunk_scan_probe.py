@@ -260,6 +260,10 @@ def shape_problems(*, S, R, N, P, RD, H, chunk_size, block_p, span_chunks=1):
         problems.append(f"a P tile of 32 or 64 dividing P, got block_p={block_p}, P={P}")
     if S % L:
         problems.append(f"S a multiple of C * span_chunks, got S={S}")
+    # The in-place rotation reads and writes each element from one thread: its layout (4 warps of 4 rows at 32
+    # columns, of 1 row at 64) must not repeat rows, or a second reader could see a rotated value.
+    if (N == 64 or not N % 128) and L < (16 if piece_width(N) < PIECE else 4):
+        problems.append(f"a span of at least {16 if piece_width(N) < PIECE else 4} tokens, got {L}")
     if (N == 64 or not N % 128) and shared_bytes(N=N, R=R, block_p=block_p) + 8 > SMEM_LIMIT:
         problems.append(f"shared memory within 99 KB, got {shared_bytes(N=N, R=R, block_p=block_p) + 8} at N={N}")
     if (H * RD * 2) % 16:

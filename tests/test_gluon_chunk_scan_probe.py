@@ -53,6 +53,9 @@ def test_probe_refuses_shapes_its_boxes_do_not_cover():
                                                  span_chunks=2) == ["shared memory within 99 KB, got 124936 at N=256"]
     assert not gluon_chunk_scan_probe.shape_problems(S=2048, R=4, N=128, P=128, RD=32, H=16, chunk_size=8, block_p=64,
                                                      span_chunks=2)
+    # N = 64 at R8_C8: 8 tokens, fewer rows than the 32-column rotation layout covers (rows would repeat).
+    assert gluon_chunk_scan_probe.shape_problems(S=2048, R=8, N=64, P=64, RD=16, H=16, chunk_size=8,
+                                                 block_p=64) == ["a span of at least 16 tokens, got 8"]
 
 
 @CPU_ONLY
