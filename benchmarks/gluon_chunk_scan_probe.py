@@ -452,6 +452,8 @@ def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1, local
     ``chunk_scan`` on the same two-pass states; every output starts as NaN.  ``local``: segment-local states with
     the segments' entry states (``chunk_local_states``, ``segment_entry_states``), and "states": the full states
     both write back over their copies of the local ones."""
+    from gluon_scan_probe import poisoned
+
     from mamba3_mimo.ops.chunk_scan import chunk_scan
     from mamba3_mimo.ops.chunk_state import chunk_local_states, chunk_states, segment_end_states
     from mamba3_mimo.ops.state_passing import segment_entry_states
@@ -479,9 +481,9 @@ def _against_production(inputs, run, dot_dtype, block_p=64, span_chunks=1, local
     output = dict(common, q=inputs["q"], q_bias=inputs["q_bias"], d=inputs["d"], **entry)
     results = {}
     for name, call in (("production", chunk_scan), ("probe", run)):
-        qk_dot = torch.full((B, H, S, R, R), float("nan"), device=device)
-        raw_y = torch.full((B, H, S, R, P), float("nan"), dtype=torch.float16, device=device)
-        raw_y_scale = torch.full((B, H, S, R, P // block_p), float("nan"), device=device)
+        qk_dot = poisoned((B, H, S, R, R), device, torch.float32)
+        raw_y = poisoned((B, H, S, R, P), device, torch.float16)
+        raw_y_scale = poisoned((B, H, S, R, P // block_p), device, torch.float32)
         own_states = states.clone()  # both write the full states back in the local schedule
         call(**output, states=own_states, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale,
              span_chunks=span_chunks)
