@@ -181,7 +181,7 @@ def _sigmoid_kernel(u_ptr, fast_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     u = tl.load(u_ptr + offs)
     tl.store(fast_ptr + offs, tu.fast_sigmoid(u))
-    silu, dsilu = tu.silu_and_grad(u, FAST_SIGMOID=True)
+    silu, dsilu = tu.silu_and_grad(u, SIGMOID="approx")
     tl.store(silu_ptr + offs, silu)
     tl.store(dsilu_ptr + offs, dsilu)
 
@@ -205,6 +205,53 @@ def test_fast_sigmoid():
     assert ((silu - u32 * sig).abs() <= u32.abs() * bound + 1e-30).all()
     torch.testing.assert_close(dsilu, sig * (1 + u32 * (1 - sig)), atol=1e-6, rtol=1e-5)
     assert fast[u32 < -100].eq(0).all() and fast[u32 > 20].eq(1).all()
+
+
+@triton.jit
+def _precise_sigmoid_kernel(u_ptr, sig_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs)
+    tl.store(sig_ptr + offs, tu.precise_sigmoid(u))
+    silu, dsilu = tu.silu_and_grad(u, SIGMOID="libdevice")
+    tl.store(silu_ptr + offs, silu)
+    tl.store(dsilu_ptr + offs, dsilu)
+
+
+@requires_cuda
+def test_precise_sigmoid_stays_within_a_few_ulp_where_the_fast_one_grows_with_u():
+    """fp32 activations' sigmoid (libdevice expf, IEEE division) within a few fp32 ulp of float64 at any u, where
+    ``fast_sigmoid``'s error grows with |u| (the approximate units' relative error, docs/optimization.md
+    section 35); 0 / 1 at the ends."""
+    block = 4096
+    u = torch.cat([torch.linspace(-30, 30, block - 8, dtype=torch.float64),
+                   torch.tensor([-1e4, -100, -88, -50, 50, 88, 100, 1e4], dtype=torch.float64)])
+    outs = [torch.full((block,), float("nan"), device="cuda") for _ in range(3)]
+    _precise_sigmoid_kernel[(1,)](u.float().cuda(), *outs, BLOCK=block)
+    sig_out, silu, dsilu = (x.cpu().double() for x in outs)
+    u32 = u.float().double()
+    sig = torch.sigmoid(u32)
+    assert torch.isfinite(sig_out).all() and torch.isfinite(silu).all() and torch.isfinite(dsilu).all()
+    # expf's 2 ulp, the sum's and the division's half ulp each (an ulp up to 2^-23 relative); denormals may flush.
+    bound = 8 * 2.0**-24 * sig + 1.2e-38
+    assert ((sig_out - sig).abs() <= bound).all(), (sig_out - sig).abs().div(bound).max()
+    torch.testing.assert_close(silu, u32 * sig, atol=1e-30, rtol=1e-6)
+    torch.testing.assert_close(dsilu, sig * (1 + u32 * (1 - sig)), atol=1e-6, rtol=1e-5)
+    assert sig_out[u32 < -104].eq(0).all() and sig_out[u32 > 20].eq(1).all()
+    fast = torch.full((block,), float("nan"), device="cuda")
+    _sigmoid_kernel[(1,)](u.float().cuda(), fast, *outs[1:], BLOCK=block)
+    grows = (u32.abs() > 16) & (u32.abs() < 30) & (u32 < 0)
+    assert ((fast.cpu().double() - sig).abs() / sig)[grows].max() > ((sig_out - sig).abs() / sig)[grows].max()
+
+
+def test_sigmoid_unit_follows_the_activations(monkeypatch):
+    """The interpreter takes tl.sigmoid; compiled for the GPU, fp32 activations take libdevice's exp and an IEEE
+    division, 16-bit ones the approximate units (host_utils.sigmoid_unit)."""
+    from mamba3_mimo.ops import host_utils
+
+    x32, x16, xb16 = (torch.zeros(2, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16))
+    assert [host_utils.sigmoid_unit(x) for x in (x32, x16, xb16)] == ["triton"] * 3
+    monkeypatch.setattr(host_utils, "compiled_for_gpu", lambda tensor: True)
+    assert [host_utils.sigmoid_unit(x) for x in (x32, x16, xb16)] == ["libdevice", "approx", "approx"]
 
 
 @triton.jit

@@ -39,6 +39,15 @@ def precise_exp(dot_dtype, tensor):
     return FP32_PRECISE_EXP and dot_dtype == tl.float32 and compiled_for_gpu(tensor)
 
 
+def sigmoid_unit(activations):
+    """The SIGMOID constexpr of ``triton_utils.silu_and_grad`` for a kernel that reads ``activations``: the
+    approximate units on the GPU for 16-bit activations, libdevice's exp and an IEEE division for fp32 ones (the
+    approximate units' error put dPhi over the fp32 dual benchmark), ``tl.sigmoid`` under the interpreter."""
+    if not compiled_for_gpu(activations):
+        return "triton"
+    return "libdevice" if activations.dtype == torch.float32 else "approx"
+
+
 def compiled_for_gpu(tensor):
     """True where the kernels run compiled for the GPU, False under the Triton interpreter (CPU tensors).
 

@@ -202,13 +202,25 @@ def fp16_row_scaled(x):
 
 
 @triton.jit
-def silu_and_grad(u, FAST_SIGMOID: tl.constexpr = False):
+def precise_sigmoid(u):
+    """sigmoid(u) = 1 / (1 + exp(-u)) with libdevice's expf and an IEEE division: within a few fp32 ulp at any u.
+    CUDA only (the interpreter has no libdevice).  exp(-u) overflows to inf below u = -88, where 1 / inf = 0."""
+    return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-u))
+
+
+@triton.jit
+def silu_and_grad(u, SIGMOID: tl.constexpr = "triton"):
     """(silu(u), silu'(u)) with silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u))).
 
-    FAST_SIGMOID (CUDA only) takes ``fast_sigmoid`` instead of ``tl.sigmoid``.
+    SIGMOID (``host_utils.sigmoid_unit`` picks it): "approx" takes ``fast_sigmoid`` (16-bit activations on the GPU),
+    "libdevice" ``precise_sigmoid`` (fp32 activations on the GPU: the approximate units' relative error, ~|u| 2^-23,
+    put dPhi's MERE over the fp32 dual benchmark; docs/optimization.md section 35), "triton" ``tl.sigmoid`` (the
+    interpreter).
     """
-    if FAST_SIGMOID:
+    if SIGMOID == "approx":
         sig = fast_sigmoid(u)
+    elif SIGMOID == "libdevice":
+        sig = precise_sigmoid(u)
     else:
         sig = tl.sigmoid(u)
     return u * sig, sig * (1.0 + u * (1.0 - sig))
@@ -383,7 +395,7 @@ def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask, VOLATILE: tl.constex
 def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip,
                           psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks, offs_p, p_mask,
                           P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-                          FAST_SIGMOID: tl.constexpr = False):
+                          SIGMOID: tl.constexpr = "triton"):
     """Finish query rank r of a chunk: add the D skip to raw_y, fold its gradients into the accumulators.
 
     raw_y: [tokens, cols] without the skip; dphi_acc, dzeta_acc: [BLOCK_R, cols] per-rank token
@@ -394,7 +406,7 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
         raw_y += (d_skip * v_tok) * psi_r[None, :]
     phi_r = tl.load(phi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
     zeta_r = tl.load(zeta_head_ptr + r * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z, FAST_SIGMOID)
+    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z, SIGMOID)
     dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
     if HAS_Z:
         dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
@@ -403,17 +415,17 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
 
 
 @triton.jit
-def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
+def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr = "triton"):
     """Per-element gradient terms of out = Phi * silu(z * Zeta) * raw_y (one query rank per element).
 
     raw_y, dout, z: [rows, cols] fp32 (z unused without Z); phi, zeta: broadcastable to them.
     Returns (dPhi term, dZeta term, dz term), each [rows, cols]; without Z the gate is 1 and the
-    last two are zeros.  FAST_SIGMOID: see ``silu_and_grad``.
+    last two are zeros.  SIGMOID: see ``silu_and_grad``.
     """
     # This order of the products is the one the fp32 dual benchmark was validated with (the MERE of
     # dmimo_o sits near its bound on some inputs: test_gpu_pairwise, B1-S64-H4-fp32-Z-noD, stage0).
     if HAS_Z:
-        gate, dgate = silu_and_grad(z * zeta, FAST_SIGMOID)
+        gate, dgate = silu_and_grad(z * zeta, SIGMOID)
         du = dout * phi * raw_y * dgate
         return gate * raw_y * dout, du * z, du * zeta
     else:
@@ -422,7 +434,7 @@ def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, FAST_SIGMOID
 
 
 @triton.jit
-def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
+def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr = "triton"):
     """Gradient pieces of one query rank r of out = sum_r Phi * silu(z * Zeta) * raw_y.
 
     raw_y, dout_tok, z_tok: [tokens, cols] fp32 (z_tok unused without Z); phi_r, zeta_r: [cols].
@@ -430,7 +442,7 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, 
     without Z the gate is 1 and the last two are zeros.
     """
     dphi, dzeta, dz = gate_grad_terms(raw_y, dout_tok, z_tok, phi_r[None, :], zeta_r[None, :], HAS_Z,
-                                     FAST_SIGMOID)
+                                     SIGMOID)
     return tl.sum(dphi, axis=0), tl.sum(dzeta, axis=0), dz
 
 
@@ -438,7 +450,7 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, 
 def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_rows,
                                 dout_q, z_q, v_q, d_skip, psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks,
                                 offs_p, p_mask, F: tl.constexpr, P: tl.constexpr, HAS_Z: tl.constexpr,
-                                HAS_D: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
+                                HAS_D: tl.constexpr, SIGMOID: tl.constexpr = "triton"):
     """``accumulate_rank_grads`` for a query tile of F ranks: row i is token q_t[i], rank q_rank[i].
 
     q_local = q_rank - rank_group * F (0..F-1); dz_rows: [rows, cols] running sum over rank groups,
@@ -449,7 +461,7 @@ def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi
         raw_y += (d_skip * v_q) * load_rows(psi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     phi_q = load_rows(phi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     zeta_q = load_rows(zeta_head_ptr, param_offs, q_mask & HAS_Z, offs_p, p_mask)
-    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z, FAST_SIGMOID)
+    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z, SIGMOID)
     for j in tl.static_range(F):
         in_rank = (q_local == j)[:, None]
         is_acc_row = ranks[:, None] == rank_group * F + j
