@@ -181,7 +181,7 @@ def _sigmoid_kernel(u_ptr, fast_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     u = tl.load(u_ptr + offs)
     tl.store(fast_ptr + offs, tu.fast_sigmoid(u))
-    silu, dsilu = tu.silu_and_grad(u, SIGMOID="approx")
+    silu, dsilu = tu.silu_and_grad(u, FAST_SIGMOID=True)
     tl.store(silu_ptr + offs, silu)
     tl.store(dsilu_ptr + offs, dsilu)
 
@@ -212,7 +212,7 @@ def _precise_sigmoid_kernel(u_ptr, sig_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.const
     offs = tl.arange(0, BLOCK)
     u = tl.load(u_ptr + offs)
     tl.store(sig_ptr + offs, tu.precise_sigmoid(u))
-    silu, dsilu = tu.silu_and_grad(u, SIGMOID="libdevice")
+    silu, dsilu = tu.silu_and_grad(u, PRECISE_SIGMOID=True)
     tl.store(silu_ptr + offs, silu)
     tl.store(dsilu_ptr + offs, dsilu)
 
@@ -243,15 +243,17 @@ def test_precise_sigmoid_stays_within_a_few_ulp_where_the_fast_one_grows_with_u(
     assert ((fast.cpu().double() - sig).abs() / sig)[grows].max() > ((sig_out - sig).abs() / sig)[grows].max()
 
 
-def test_sigmoid_unit_follows_the_activations(monkeypatch):
+def test_sigmoid_units_follow_the_activations(monkeypatch):
     """The interpreter takes tl.sigmoid; compiled for the GPU, fp32 activations take libdevice's exp and an IEEE
-    division, 16-bit ones the approximate units (host_utils.sigmoid_unit)."""
+    division, 16-bit ones the approximate units (host_utils.sigmoid_units)."""
     from mamba3_mimo.ops import host_utils
 
     x32, x16, xb16 = (torch.zeros(2, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16))
-    assert [host_utils.sigmoid_unit(x) for x in (x32, x16, xb16)] == ["triton"] * 3
+    neither = dict(FAST_SIGMOID=False, PRECISE_SIGMOID=False)
+    assert [host_utils.sigmoid_units(x) for x in (x32, x16, xb16)] == [neither] * 3
     monkeypatch.setattr(host_utils, "compiled_for_gpu", lambda tensor: True)
-    assert [host_utils.sigmoid_unit(x) for x in (x32, x16, xb16)] == ["libdevice", "approx", "approx"]
+    fast, precise = dict(neither, FAST_SIGMOID=True), dict(neither, PRECISE_SIGMOID=True)
+    assert [host_utils.sigmoid_units(x) for x in (x32, x16, xb16)] == [precise, fast, fast]
 
 
 @triton.jit

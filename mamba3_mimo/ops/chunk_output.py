@@ -47,7 +47,8 @@ def _chunk_output_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, RANKS_PER_STEP: tl.constexpr, SPAN_CHUNKS: tl.constexpr,
     ADD_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
-    SIGMOID: tl.constexpr, ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
+    FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
+    PRECISE_EXP: tl.constexpr = False,
 ):
     HALF: tl.constexpr = N // 2
     F: tl.constexpr = RANKS_PER_STEP
@@ -156,12 +157,12 @@ def _chunk_output_kernel(
                 dphi_acc, dzeta_acc, dz_acc = accumulate_rank_grads(
                     raw_y, rank_group, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q, d_skip, psi_head,
                     phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, P, HAS_Z, HAS_D,
-                    SIGMOID)
+                    FAST_SIGMOID, PRECISE_SIGMOID)
             else:
                 dphi_acc, dzeta_acc, dz_acc = accumulate_rank_group_grads(
                     raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_acc, dout_q, z_q, v_q,
                     d_skip, psi_head, phi_ptr + h * R * P, zeta_ptr + h * R * P, ranks, offs_p, p_mask, F, P,
-                    HAS_Z, HAS_D, SIGMOID)
+                    HAS_Z, HAS_D, FAST_SIGMOID, PRECISE_SIGMOID)
 
         if HAS_Z:
             t_tok = t0 + tok
@@ -253,7 +254,7 @@ def chunk_output(*, q, k, v, dout, z, cos_angles, sin_angles, q_bias, k_bias, mi
                       span_chunks=span_chunks),
         ADD_ENTRY=seg_entry is not None,
         HAS_Z=has_z, HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        SUM_DTYPE=sum_dtype(dot_dtype, q.device), SIGMOID=host_utils.sigmoid_unit(q),
+        SUM_DTYPE=sum_dtype(dot_dtype, q.device), **host_utils.sigmoid_units(q),
         ROTATION_DTYPE=rotation_math_dtype, PRECISE_EXP=host_utils.precise_exp(dot_dtype, q), num_warps=num_warps,
         num_stages=1,
     )

@@ -229,7 +229,8 @@ def _chunk_scan_gate_kernel(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
-    HAS_Z: tl.constexpr, SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
+    PRECISE_EXP: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
@@ -267,7 +268,7 @@ def _chunk_scan_gate_kernel(
         if HAS_Z:
             z = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
             zeta = load_rows(zeta_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-            gate, dgate = silu_and_grad(z * zeta[None, :, :], SIGMOID)
+            gate, dgate = silu_and_grad(z * zeta[None, :, :], FAST_SIGMOID, PRECISE_SIGMOID)
             du_over_phi = y_dout * dgate  # dL/du without its Phi factor
             dphi = tl.sum(gate * y_dout, axis=0)
             dzeta = phi * tl.sum(du_over_phi * z, axis=0)
@@ -361,5 +362,5 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     dzeta = torch.empty_like(dphi) if has_z else None
     launch(_chunk_scan_gate_kernel, grid, *inputs, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
            dz if has_z else dout, dphi, dzeta if has_z else dphi, *sizes, n_spans, **constants,
-           HAS_Z=has_z, SIGMOID=host_utils.sigmoid_unit(q), D_AT_GATE=d_in_gate)
+           HAS_Z=has_z, **host_utils.sigmoid_units(q), D_AT_GATE=d_in_gate)
     return dphi, dzeta

@@ -53,7 +53,8 @@ def _gate_grads_kernel(
     raw_y_ptr, raw_y_scale_ptr, dout_ptr, z_ptr, v_ptr, phi_ptr, zeta_ptr, psi_ptr, d_ptr, dz_ptr, dphi_ptr,
     dzeta_ptr, S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM, N_SCALE_TILES, SCALE_COLS,
     R: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_Z: tl.constexpr, SIGMOID: tl.constexpr, SCALED_RAW_Y: tl.constexpr, HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, SCALED_RAW_Y: tl.constexpr,
+    HAS_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token_range = pid // N_PBLOCKS
@@ -114,7 +115,7 @@ def _gate_grads_kernel(
         y_dout = y * dout.to(tl.float32)
         if HAS_Z:
             z_f = z.to(tl.float32)
-            gate, dgate = silu_and_grad(z_f * zeta, SIGMOID)
+            gate, dgate = silu_and_grad(z_f * zeta, FAST_SIGMOID, PRECISE_SIGMOID)
             du_over_phi = y_dout * dgate  # dL/du without its Phi factor, constant over tokens
             dphi_acc += gate * y_dout
             dzeta_acc += du_over_phi * z_f
@@ -183,7 +184,7 @@ def gate_grads(*, raw_y, dout, z, mimo_o, mimo_z, dz, raw_y_scale=None, scale_bl
         raw_y, raw_y_scale if scaled else raw_y, dout, z if has_z else dout, v if has_d else dout, mimo_o,
         mimo_z if has_z else mimo_o, mimo_v if has_d else mimo_o, d if has_d else mimo_o, dz if has_z else dout, dphi,
         dzeta if has_z else dphi, S, H, n_ranges, n_pblocks, tokens_per_program, n_scale_tiles, scale_cols,
-        R=R, P=P, **meta, HAS_Z=has_z, SIGMOID=host_utils.sigmoid_unit(dout), SCALED_RAW_Y=scaled,
+        R=R, P=P, **meta, HAS_Z=has_z, **host_utils.sigmoid_units(dout), SCALED_RAW_Y=scaled,
         HAS_D=has_d, num_warps=num_warps, num_stages=1,
         # The D skip's v tiles and D Psi took it from 128 to 166 registers (3 CTAs an SM instead of 4); capped, it
         # spills 0-56 B on the official shapes (aot_report.py, d_in_gate=1).

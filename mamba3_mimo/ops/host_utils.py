@@ -39,13 +39,13 @@ def precise_exp(dot_dtype, tensor):
     return FP32_PRECISE_EXP and dot_dtype == tl.float32 and compiled_for_gpu(tensor)
 
 
-def sigmoid_unit(activations):
-    """The SIGMOID constexpr of ``triton_utils.silu_and_grad`` for a kernel that reads ``activations``: the
-    approximate units on the GPU for 16-bit activations, libdevice's exp and an IEEE division for fp32 ones (the
-    approximate units' error put dPhi over the fp32 dual benchmark), ``tl.sigmoid`` under the interpreter."""
-    if not compiled_for_gpu(activations):
-        return "triton"
-    return "libdevice" if activations.dtype == torch.float32 else "approx"
+def sigmoid_units(activations):
+    """``triton_utils.silu_and_grad``'s flags for a kernel that reads ``activations``: on the GPU the approximate
+    units for 16-bit activations, libdevice's exp and an IEEE division for fp32 ones (the approximate units' error
+    put dPhi over the fp32 dual benchmark); neither (``tl.sigmoid``) under the interpreter."""
+    gpu = compiled_for_gpu(activations)
+    fp32 = activations.dtype == torch.float32
+    return dict(FAST_SIGMOID=gpu and not fp32, PRECISE_SIGMOID=gpu and fp32)
 
 
 def compiled_for_gpu(tensor):

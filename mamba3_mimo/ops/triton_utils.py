@@ -209,17 +209,18 @@ def precise_sigmoid(u):
 
 
 @triton.jit
-def silu_and_grad(u, SIGMOID: tl.constexpr = "triton"):
+def silu_and_grad(u, FAST_SIGMOID: tl.constexpr = False, PRECISE_SIGMOID: tl.constexpr = False):
     """(silu(u), silu'(u)) with silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u))).
 
-    SIGMOID (``host_utils.sigmoid_unit`` picks it): "approx" takes ``fast_sigmoid`` (16-bit activations on the GPU),
-    "libdevice" ``precise_sigmoid`` (fp32 activations on the GPU: the approximate units' relative error, ~|u| 2^-23,
-    put dPhi's MERE over the fp32 dual benchmark; docs/optimization.md section 35), "triton" ``tl.sigmoid`` (the
-    interpreter).
+    ``host_utils.sigmoid_units`` sets the flags (CUDA only, both): FAST_SIGMOID takes ``fast_sigmoid`` (16-bit
+    activations), PRECISE_SIGMOID ``precise_sigmoid`` (fp32 activations: the approximate units' relative error,
+    ~|u| 2^-23, put dPhi's MERE over the fp32 dual benchmark; docs/optimization.md section 35); neither takes
+    ``tl.sigmoid`` (the interpreter; stage0).  Flags, not one string constexpr: Triton 3.6 cannot take a str as a
+    jit helper's default.
     """
-    if SIGMOID == "approx":
+    if FAST_SIGMOID:
         sig = fast_sigmoid(u)
-    elif SIGMOID == "libdevice":
+    elif PRECISE_SIGMOID:
         sig = precise_sigmoid(u)
     else:
         sig = tl.sigmoid(u)
@@ -395,7 +396,7 @@ def load_rows(ptr, row_offs, row_mask, offs_cols, col_mask, VOLATILE: tl.constex
 def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok, v_tok, d_skip,
                           psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks, offs_p, p_mask,
                           P: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-                          SIGMOID: tl.constexpr = "triton"):
+                          FAST_SIGMOID: tl.constexpr = False, PRECISE_SIGMOID: tl.constexpr = False):
     """Finish query rank r of a chunk: add the D skip to raw_y, fold its gradients into the accumulators.
 
     raw_y: [tokens, cols] without the skip; dphi_acc, dzeta_acc: [BLOCK_R, cols] per-rank token
@@ -406,7 +407,8 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
         raw_y += (d_skip * v_tok) * psi_r[None, :]
     phi_r = tl.load(phi_head_ptr + r * P + offs_p, mask=p_mask, other=0.0)
     zeta_r = tl.load(zeta_head_ptr + r * P + offs_p, mask=p_mask & HAS_Z, other=0.0)
-    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z, SIGMOID)
+    dphi_r, dzeta_r, dz_r = rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z, FAST_SIGMOID,
+                                            PRECISE_SIGMOID)
     dphi_acc += tl.where(ranks[:, None] == r, dphi_r[None, :], 0.0)
     if HAS_Z:
         dzeta_acc += tl.where(ranks[:, None] == r, dzeta_r[None, :], 0.0)
@@ -415,17 +417,18 @@ def accumulate_rank_grads(raw_y, r, dphi_acc, dzeta_acc, dz_acc, dout_tok, z_tok
 
 
 @triton.jit
-def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr = "triton"):
+def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr = False,
+                    PRECISE_SIGMOID: tl.constexpr = False):
     """Per-element gradient terms of out = Phi * silu(z * Zeta) * raw_y (one query rank per element).
 
     raw_y, dout, z: [rows, cols] fp32 (z unused without Z); phi, zeta: broadcastable to them.
     Returns (dPhi term, dZeta term, dz term), each [rows, cols]; without Z the gate is 1 and the
-    last two are zeros.  SIGMOID: see ``silu_and_grad``.
+    last two are zeros.  FAST_SIGMOID, PRECISE_SIGMOID: see ``silu_and_grad``.
     """
     # This order of the products is the one the fp32 dual benchmark was validated with (the MERE of
     # dmimo_o sits near its bound on some inputs: test_gpu_pairwise, B1-S64-H4-fp32-Z-noD, stage0).
     if HAS_Z:
-        gate, dgate = silu_and_grad(z * zeta, SIGMOID)
+        gate, dgate = silu_and_grad(z * zeta, FAST_SIGMOID, PRECISE_SIGMOID)
         du = dout * phi * raw_y * dgate
         return gate * raw_y * dout, du * z, du * zeta
     else:
@@ -434,7 +437,8 @@ def gate_grad_terms(raw_y, dout, z, phi, zeta, HAS_Z: tl.constexpr, SIGMOID: tl.
 
 
 @triton.jit
-def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr = "triton"):
+def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr = False,
+                    PRECISE_SIGMOID: tl.constexpr = False):
     """Gradient pieces of one query rank r of out = sum_r Phi * silu(z * Zeta) * raw_y.
 
     raw_y, dout_tok, z_tok: [tokens, cols] fp32 (z_tok unused without Z); phi_r, zeta_r: [cols].
@@ -442,7 +446,7 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, 
     without Z the gate is 1 and the last two are zeros.
     """
     dphi, dzeta, dz = gate_grad_terms(raw_y, dout_tok, z_tok, phi_r[None, :], zeta_r[None, :], HAS_Z,
-                                     SIGMOID)
+                                     FAST_SIGMOID, PRECISE_SIGMOID)
     return tl.sum(dphi, axis=0), tl.sum(dzeta, axis=0), dz
 
 
@@ -450,7 +454,8 @@ def rank_gate_grads(raw_y, dout_tok, z_tok, phi_r, zeta_r, HAS_Z: tl.constexpr, 
 def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi_acc, dzeta_acc, dz_rows,
                                 dout_q, z_q, v_q, d_skip, psi_head_ptr, phi_head_ptr, zeta_head_ptr, ranks,
                                 offs_p, p_mask, F: tl.constexpr, P: tl.constexpr, HAS_Z: tl.constexpr,
-                                HAS_D: tl.constexpr, SIGMOID: tl.constexpr = "triton"):
+                                HAS_D: tl.constexpr, FAST_SIGMOID: tl.constexpr = False,
+                                PRECISE_SIGMOID: tl.constexpr = False):
     """``accumulate_rank_grads`` for a query tile of F ranks: row i is token q_t[i], rank q_rank[i].
 
     q_local = q_rank - rank_group * F (0..F-1); dz_rows: [rows, cols] running sum over rank groups,
@@ -461,7 +466,7 @@ def accumulate_rank_group_grads(raw_y, q_rank, q_local, rank_group, q_mask, dphi
         raw_y += (d_skip * v_q) * load_rows(psi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     phi_q = load_rows(phi_head_ptr, param_offs, q_mask, offs_p, p_mask)
     zeta_q = load_rows(zeta_head_ptr, param_offs, q_mask & HAS_Z, offs_p, p_mask)
-    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z, SIGMOID)
+    dphi_q, dzeta_q, dz_q = gate_grad_terms(raw_y, dout_q, z_q, phi_q, zeta_q, HAS_Z, FAST_SIGMOID, PRECISE_SIGMOID)
     for j in tl.static_range(F):
         in_rank = (q_local == j)[:, None]
         is_acc_row = ranks[:, None] == rank_group * F + j

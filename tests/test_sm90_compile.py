@@ -1,0 +1,76 @@
+"""The kernels' GPU-only branches compile for sm_90 (on the CPU: the interpreter never takes them).
+
+Constexpr flags that ``host_utils`` sets only for CUDA tensors (the approximate or libdevice sigmoid, inline PTX)
+select code the interpreter tests never see; a branch that Triton's compiler rejects would surface first on a GPU.
+A str default of a jit helper's constexpr did (it runs in the interpreter, not in the compiler).  This file, run
+as a script in a process without the interpreter, captures every launch of small calls as
+``benchmarks/aot_report.py`` does (CPU tensors taken as CUDA ones) and compiles each for sm_90 with the Triton
+wheel's ptxas; the tests read what it compiled.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+# The three places of the gate's sigmoid (the kernel that applies it: the config that makes it), with fp32
+# activations (the libdevice sigmoid): the fused output stage on a query tile of two ranks, chunk_scan's gate, and
+# gate_grads; and stage0 in both dtypes.
+CALLS = {
+    "production-fp32-chunk_output": dict(block_p=16, n_segments=2, out_block_p=32, ranks_per_step=2),
+    "production-fp32-chunk_scan_gate": dict(block_p=16, n_segments=2, out_block_p=32, local_states=True,
+                                            split_gate=True, gate_in_scan=True),
+    "production-fp32-gate_grads": dict(block_p=16, n_segments=2, out_block_p=32, split_gate=True),
+    "stage0-fp32-serial_scan": None,
+    "stage0-bf16-serial_scan": None,
+}
+
+
+def compile_calls():
+    """{call: {"kernels": names compiled, "sigmoid": the flags fp32 activations get}}; raises on a compile error."""
+    sys.path.insert(0, BENCHMARKS)
+    import aot_report
+
+    from mamba3_mimo import api
+    from mamba3_mimo.ops import host_utils
+    from mamba3_mimo.ops.production import ScanConfig
+
+    aot_report.compile_as_cuda()
+    compiled = {}
+    for call, config in CALLS.items():
+        impl, dtype_name, _ = call.split("-")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        inputs = aot_report.empty_inputs(B=1, S=64, H=2, G=1, N=64, P=32, R=2, chunk_size=16, dtype=dtype)
+        launches = aot_report.capture_launches(lambda: api.bwd_fwd(
+            **inputs, output_dtype=dtype, impl=impl, config=ScanConfig(**config) if config else None))
+        for name, args, kwargs in launches:
+            aot_report.compile_launch(name, args, kwargs)
+        compiled[call] = dict(kernels=sorted({name for name, _, _ in launches}),
+                              sigmoid=host_utils.sigmoid_units(inputs["q"]))
+    return compiled
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_call_compiles_for_sm90(compiled, call):
+    impl, dtype_name, kernel = call.split("-")
+    assert kernel in compiled[call]["kernels"]
+    if impl == "production":
+        assert compiled[call]["sigmoid"] == dict(FAST_SIGMOID=False, PRECISE_SIGMOID=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    print(json.dumps(compile_calls()))
