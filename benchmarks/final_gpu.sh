@@ -10,7 +10,9 @@
 # compile cache, 10 s warm): run them in two calls, PARTS="tests grids" then PARTS="unit sanitize bench noz";
 # PARTS picks a subset (most important first), BENCH_IMPL=production skips stage0 in the Z-on benchmark.
 # A fresh H100 compiles slower: at b1e0668 the tests part ran 102 of its ~116 tests in 300 s and unit 509 of ~564 in
-# 150 s (2026-12-05_h100_tests_b1e0668.log); there, run three calls: "tests", "grids unit sanitize", "bench noz".
+# 150 s, and memcheck printed nothing in 90 s (2026-12-05_h100_tests_b1e0668.log); there, run three calls: "tests",
+# "grids unit", "sanitize bench noz" (the timeouts below fit each in 600 s).
+# Each test part keeps its whole output in $OUT/<part>_full.log: the tails cut the failures' tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,14 +28,15 @@ want() { [[ " $PARTS " == *" $1 "* ]]; }
 export MAMBA3_MIMO_CHECK_PLAN=1
 want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:warnings -rf \
   tests/test_kernels.py -k "(test_official_grid and not fused) or test_production_split_gate or \
-  test_production_configs or test_production_local_states or half_rotation or miscompiled" 2>&1 | tail -n 6 \
-  | tee "$OUT/tests.log" || status=1; }
+  test_production_configs or test_production_local_states or half_rotation or miscompiled" 2>&1 \
+  | tee "$OUT/tests_full.log" | tail -n 6 | tee "$OUT/tests.log" || status=1; }
 want grids && { timeout ${GRIDS_TIMEOUT:-240} python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py \
-  -k "gpu_pairwise or gpu_tail or gpu_rank" 2>&1 | tail -n 6 | tee -a "$OUT/tests.log" || status=1; }
+  -k "gpu_pairwise or gpu_tail or gpu_rank" 2>&1 | tee "$OUT/grids_full.log" | tail -n 6 | tee -a "$OUT/tests.log" \
+  || status=1; }
 want unit && { timeout ${UNIT_TIMEOUT:-240} python3 -m pytest -q -p no:warnings -rf tests/test_launch.py \
   tests/test_stage_kernels.py tests/test_api_errors.py tests/test_robustness.py tests/test_triton_utils.py 2>&1 \
-  | tail -n 8 | tee -a "$OUT/tests.log" || status=1; }
-want sanitize && { MAMBA3_MIMO_CHECK_PLAN=0 SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-90} \
+  | tee "$OUT/unit_full.log" | tail -n 8 | tee -a "$OUT/tests.log" || status=1; }
+want sanitize && { MAMBA3_MIMO_CHECK_PLAN=0 SANITIZE_CASES=split OUT=/tmp/mamba3_sanitize timeout ${SANITIZE_TIMEOUT:-150} \
   bash benchmarks/sanitize.sh memcheck 2>&1 | tail -n 12 | tee "$OUT/sanitize.log" || status=1; }
 want bench && { MAMBA3_MIMO_CHECK_PLAN=0 timeout ${BENCH_TIMEOUT:-250} python3 -m mamba3_mimo.bench --impl "${BENCH_IMPL:-production,stage0}" \
   --json "$OUT/bwd_fwd_h200.json" --png "$OUT/bwd_fwd_h200.png" 2>&1 | tail -n 17 || status=1; }
