@@ -177,27 +177,36 @@ def test_select_rows_sum(sum_dtype):
 
 
 @triton.jit
-def _sigmoid_kernel(u_ptr, fast_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr):
+def _sigmoid_kernel(u_ptr, sig_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+                    PRECISE_SIGMOID: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     u = tl.load(u_ptr + offs)
-    tl.store(fast_ptr + offs, tu.fast_sigmoid(u))
-    silu, dsilu = tu.silu_and_grad(u, FAST_SIGMOID=True)
+    if PRECISE_SIGMOID:
+        tl.store(sig_ptr + offs, tu.precise_sigmoid(u))
+    else:
+        tl.store(sig_ptr + offs, tu.fast_sigmoid(u))
+    silu, dsilu = tu.silu_and_grad(u, FAST_SIGMOID, PRECISE_SIGMOID)
     tl.store(silu_ptr + offs, silu)
     tl.store(dsilu_ptr + offs, dsilu)
+
+
+def _gpu_sigmoid(precise):
+    """(u rounded to fp32, float64 sigmoid of it, the kernel's sigmoid, silu, silu') over [-30, 30] and the ends."""
+    block = 4096
+    u = torch.cat([torch.linspace(-30, 30, block - 8, dtype=torch.float64),
+                   torch.tensor([-1e4, -100, -88, -50, 50, 88, 100, 1e4], dtype=torch.float64)])
+    outs = [torch.full((block,), float("nan"), device="cuda") for _ in range(3)]
+    _sigmoid_kernel[(1,)](u.float().cuda(), *outs, BLOCK=block, FAST_SIGMOID=not precise, PRECISE_SIGMOID=precise)
+    sig_out, silu, dsilu = (x.cpu().double() for x in outs)
+    u32 = u.float().double()  # the kernel's input, rounded to fp32
+    assert torch.isfinite(sig_out).all() and torch.isfinite(silu).all() and torch.isfinite(dsilu).all()
+    return u32, torch.sigmoid(u32), sig_out, silu, dsilu
 
 
 @requires_cuda
 def test_fast_sigmoid():
     """The PTX sigmoid (GPU only) within a few fp32 ulp of float64 over the whole range, 0 / 1 at the ends."""
-    block = 4096
-    u = torch.cat([torch.linspace(-30, 30, block - 8, dtype=torch.float64),
-                   torch.tensor([-1e4, -100, -88, -50, 50, 88, 100, 1e4], dtype=torch.float64)])
-    outs = [torch.full((block,), float("nan"), device="cuda") for _ in range(3)]
-    _sigmoid_kernel[(1,)](u.float().cuda(), *outs, BLOCK=block)
-    fast, silu, dsilu = (x.cpu().double() for x in outs)
-    u32 = u.float().double()  # the kernel's input, rounded to fp32
-    sig = torch.sigmoid(u32)
-    assert torch.isfinite(fast).all() and torch.isfinite(silu).all() and torch.isfinite(dsilu).all()
+    u32, sig, fast, silu, dsilu = _gpu_sigmoid(precise=False)
     # ex2 (2^-22.5) and rcp (2^-23) relative error and roundings; the fp32 product u * log2(e) adds |u| ulp
     # of the exponent (as in tl.sigmoid, whose exp goes through the same ex2); below 2^-126 results flush to 0.
     bound = (8 * 2.0**-24 + u32.abs() * 2.0**-23) * sig + 1.2e-38
@@ -207,40 +216,21 @@ def test_fast_sigmoid():
     assert fast[u32 < -100].eq(0).all() and fast[u32 > 20].eq(1).all()
 
 
-@triton.jit
-def _precise_sigmoid_kernel(u_ptr, sig_ptr, silu_ptr, dsilu_ptr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    u = tl.load(u_ptr + offs)
-    tl.store(sig_ptr + offs, tu.precise_sigmoid(u))
-    silu, dsilu = tu.silu_and_grad(u, PRECISE_SIGMOID=True)
-    tl.store(silu_ptr + offs, silu)
-    tl.store(dsilu_ptr + offs, dsilu)
-
-
 @requires_cuda
 def test_precise_sigmoid_stays_within_a_few_ulp_where_the_fast_one_grows_with_u():
     """fp32 activations' sigmoid (libdevice expf, IEEE division) within a few fp32 ulp of float64 at any u, where
     ``fast_sigmoid``'s error grows with |u| (the approximate units' relative error, docs/optimization.md
     section 35); 0 / 1 at the ends."""
-    block = 4096
-    u = torch.cat([torch.linspace(-30, 30, block - 8, dtype=torch.float64),
-                   torch.tensor([-1e4, -100, -88, -50, 50, 88, 100, 1e4], dtype=torch.float64)])
-    outs = [torch.full((block,), float("nan"), device="cuda") for _ in range(3)]
-    _precise_sigmoid_kernel[(1,)](u.float().cuda(), *outs, BLOCK=block)
-    sig_out, silu, dsilu = (x.cpu().double() for x in outs)
-    u32 = u.float().double()
-    sig = torch.sigmoid(u32)
-    assert torch.isfinite(sig_out).all() and torch.isfinite(silu).all() and torch.isfinite(dsilu).all()
+    u32, sig, precise, silu, dsilu = _gpu_sigmoid(precise=True)
     # expf's 2 ulp, the sum's and the division's half ulp each (an ulp up to 2^-23 relative); denormals may flush.
     bound = 8 * 2.0**-24 * sig + 1.2e-38
-    assert ((sig_out - sig).abs() <= bound).all(), (sig_out - sig).abs().div(bound).max()
+    assert ((precise - sig).abs() <= bound).all(), (precise - sig).abs().div(bound).max()
     torch.testing.assert_close(silu, u32 * sig, atol=1e-30, rtol=1e-6)
     torch.testing.assert_close(dsilu, sig * (1 + u32 * (1 - sig)), atol=1e-6, rtol=1e-5)
-    assert sig_out[u32 < -104].eq(0).all() and sig_out[u32 > 20].eq(1).all()
-    fast = torch.full((block,), float("nan"), device="cuda")
-    _sigmoid_kernel[(1,)](u.float().cuda(), fast, *outs[1:], BLOCK=block)
-    grows = (u32.abs() > 16) & (u32.abs() < 30) & (u32 < 0)
-    assert ((fast.cpu().double() - sig).abs() / sig)[grows].max() > ((sig_out - sig).abs() / sig)[grows].max()
+    assert precise[u32 < -104].eq(0).all() and precise[u32 > 20].eq(1).all()
+    fast = _gpu_sigmoid(precise=False)[2]
+    grows = (u32 > -30) & (u32 < -16)
+    assert ((fast - sig).abs() / sig)[grows].max() > ((precise - sig).abs() / sig)[grows].max()
 
 
 def test_sigmoid_units_follow_the_activations(monkeypatch):
