@@ -1,7 +1,7 @@
 """The kernels' GPU-only branches compile for sm_90 (on the CPU: the interpreter never takes them).
 
-Constexpr flags that ``host_utils`` sets only for CUDA tensors (the approximate or libdevice sigmoid, inline PTX)
-select code the interpreter tests never see; a branch that Triton's compiler rejects would surface first on a GPU.
+Constexpr flags that ``host_utils`` sets only for CUDA tensors (the approximate or libdevice sigmoid and exp, inline
+PTX) select code the interpreter tests never see; a branch that Triton's compiler rejects would surface first on a GPU.
 A str default of a jit helper's constexpr did (it runs in the interpreter, not in the compiler).  This file, run
 as a script in a process without the interpreter, captures every launch of small calls as
 ``benchmarks/aot_report.py`` does (CPU tensors taken as CUDA ones) and compiles each for sm_90 with the Triton
@@ -29,6 +29,8 @@ CALLS = {
     "stage0-fp32-serial_scan": None,
     "stage0-bf16-serial_scan": None,
 }
+# The same fp32 calls with libdevice's exp (host_utils.FP32_PRECISE_EXP, off by default; the next GPU run tries it).
+PRECISE_EXP_CALLS = [call for call in CALLS if call.startswith("production-fp32")]
 
 
 def compile_calls():
@@ -42,16 +44,20 @@ def compile_calls():
 
     aot_report.compile_as_cuda()
     compiled = {}
-    for call, config in CALLS.items():
-        impl, dtype_name, _ = call.split("-")
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-        inputs = aot_report.empty_inputs(B=1, S=64, H=2, G=1, N=64, P=32, R=2, chunk_size=16, dtype=dtype)
-        launches = aot_report.capture_launches(lambda: api.bwd_fwd(
-            **inputs, output_dtype=dtype, impl=impl, config=ScanConfig(**config) if config else None))
-        for name, args, kwargs in launches:
-            aot_report.compile_launch(name, args, kwargs)
-        compiled[call] = dict(kernels=sorted({name for name, _, _ in launches}),
-                              sigmoid=host_utils.sigmoid_units(inputs["q"]))
+    for precise_exp, calls in ((False, list(CALLS)), (True, PRECISE_EXP_CALLS)):
+        host_utils.FP32_PRECISE_EXP = precise_exp
+        for call in calls:
+            impl, dtype_name, _ = call.split("-")
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+            config = ScanConfig(**CALLS[call]) if CALLS[call] else None
+            inputs = aot_report.empty_inputs(B=1, S=64, H=2, G=1, N=64, P=32, R=2, chunk_size=16, dtype=dtype)
+            launches = aot_report.capture_launches(
+                lambda: api.bwd_fwd(**inputs, output_dtype=dtype, impl=impl, config=config))
+            for name, args, kwargs in launches:
+                aot_report.compile_launch(name, args, kwargs)
+            compiled[call + ("-precise_exp" if precise_exp else "")] = dict(
+                kernels=sorted({name for name, _, _ in launches}), sigmoid=host_utils.sigmoid_units(inputs["q"]),
+                precise_exp=[kwargs.get("PRECISE_EXP", False) for _, _, kwargs in launches])
     return compiled
 
 
@@ -63,12 +69,14 @@ def compiled(tmp_path_factory):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("call", list(CALLS) + [call + "-precise_exp" for call in PRECISE_EXP_CALLS])
 def test_call_compiles_for_sm90(compiled, call):
-    impl, dtype_name, kernel = call.split("-")
+    impl, dtype_name, kernel = call.split("-")[:3]
     assert kernel in compiled[call]["kernels"]
     if impl == "production":
         assert compiled[call]["sigmoid"] == dict(FAST_SIGMOID=False, PRECISE_SIGMOID=True)
+        # The exp knob reaches the kernels that take it only where it is asked for.
+        assert any(compiled[call]["precise_exp"]) == call.endswith("-precise_exp")
 
 
 if __name__ == "__main__":
