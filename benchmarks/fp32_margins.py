@@ -9,7 +9,12 @@ MERE a single element near zero can carry) it also prints, per config, the share
 worst element makes.  The exp the kernels take is ``MAMBA3_MIMO_FP32_PRECISE_EXP`` (read at import): run twice to
 compare.  On the CPU (TRITON_INTERPRET=1) ``--seeds 1`` is a smoke run.
 
+With ``--recurrence`` the candidate is no kernel but the token recurrence of ``reference.py`` run in fp32 (R = 2 and
+3): an exact fp32 implementation whose rounding is independent of the bench's, on the CPU, no Triton.  How often it
+fails is the false-failure rate of one fp32 draw, the reason for ``accuracy.judge_with_redraws``.
+
     MAMBA3_MIMO_FP32_PRECISE_EXP=1 python benchmarks/fp32_margins.py --seeds 40 --json out.json
+    python benchmarks/fp32_margins.py --recurrence --seeds 300
 """
 
 import argparse
@@ -22,7 +27,7 @@ from mamba3_mimo import api
 from mamba3_mimo.accuracy import check_outputs
 from mamba3_mimo.inputs import make_inputs
 from mamba3_mimo.ops import host_utils
-from mamba3_mimo.reference import bwd_fwd_reference
+from mamba3_mimo.reference import bwd_fwd_recurrent_reference, bwd_fwd_reference
 
 
 def test_configs():
@@ -40,18 +45,27 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--recurrence", action="store_true", help="the fp32 token recurrence as the candidate")
     args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    exp_label = "libdevice exp" if host_utils.FP32_PRECISE_EXP else "tl.exp"
+    device = "cuda" if torch.cuda.is_available() and not args.recurrence else "cpu"
+    if args.recurrence:
+        exp_label = "candidate: the token recurrence in fp32 (torch, CPU)"
+        candidates = [("recurrence R2", 2, 1, None), ("recurrence R3", 3, 1, None)]
+    else:
+        exp_label = "libdevice exp" if host_utils.FP32_PRECISE_EXP else "tl.exp"
+        candidates = test_configs()
     records = []
-    for name, R, G, config in test_configs():
+    for name, R, G, config in candidates:
         for seed in range(args.seeds):
             inputs = make_inputs(B=1, S=70, H=2, G=G, N=64, P=48, R=R, chunk_size=16, dtype=torch.float32,
                                  device=device, seed=5000 + seed)
             ref_inputs = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in inputs.items()}
             golden = bwd_fwd_reference(**ref_inputs, compute_dtype=torch.float64)
             bench = bwd_fwd_reference(**ref_inputs, compute_dtype=torch.float32)
-            got = api.bwd_fwd(**inputs, output_dtype=torch.float32, impl="production", config=config)
+            if args.recurrence:
+                got = bwd_fwd_recurrent_reference(**ref_inputs, compute_dtype=torch.float32)
+            else:
+                got = api.bwd_fwd(**inputs, output_dtype=torch.float32, impl="production", config=config)
             got = tuple(x.cpu() if x is not None else None for x in got)
             checks = check_outputs(got, golden, bench, torch.float32, torch.float32)
             for c in checks:

@@ -15,7 +15,7 @@ from torch import Tensor
 __all__ = [
     "OUTPUT_NAMES", "NEAR_ZERO_OUTPUTS", "Tolerances", "OutputCheck", "normwise_error",
     "max_abs_relative_error", "mere_mare", "tolerances", "check_outputs", "format_checks",
-    "assert_outputs_close",
+    "assert_outputs_close", "FP32_REDRAWS", "judge_with_redraws",
 ]
 
 OUTPUT_NAMES = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
@@ -119,6 +119,8 @@ class OutputCheck:
     mare_bench: float | None = None
     passed: bool = False
     reason: str = ""
+    # Failed, and only on the dual benchmark's bounds (every other metric of the output passed).
+    dual_only: bool = False
 
 
 def _rounded(g: Tensor, dtype: torch.dtype) -> Tensor:
@@ -165,6 +167,7 @@ def _check_one(name, x, g, bench, tol: Tolerances, output_dtype) -> OutputCheck:
                 failures.append(f"MARE {check.mare:.2e} > 10*bench+1e-5")
     check.passed = not failures
     check.reason = "; ".join(failures)
+    check.dual_only = bool(failures) and all(f.startswith(("MERE", "MARE")) for f in failures)
     return check
 
 
@@ -211,4 +214,38 @@ def assert_outputs_close(candidate: tuple, golden: tuple, bench: tuple, input_dt
     checks = check_outputs(candidate, golden, bench, input_dtype, output_dtype, names)
     if not all(c.passed for c in checks):
         raise AssertionError("accuracy contract violated:\n" + format_checks(checks))
+    return checks
+
+
+# With fp32 inputs one draw fails the dual benchmark about 1% of the time for any fp32 implementation whose rounding
+# is independent of the bench's: the token recurrence in fp32 (reference.py), an exact implementation, fails it on
+# dmimo_o in 1-2% of draws on small problems, where one element near zero carries MERE and MARE and its error in
+# the bench can be lucky (``benchmarks/fp32_margins.py --recurrence``; docs/optimization.md section 36).
+FP32_REDRAWS = 2
+
+
+def judge_with_redraws(judge, seed: int, input_dtype: torch.dtype, redraws: int = FP32_REDRAWS) -> list[OutputCheck]:
+    """Judge one draw, ``judge(seed) -> list[OutputCheck]`` on fresh inputs of that seed; raise AssertionError with
+    the table of every draw judged when the contract fails.
+
+    With fp32 inputs a draw whose failures are all on the dual benchmark's bounds (``OutputCheck.dual_only``: the
+    normwise, near-zero, finiteness, shape and dtype checks passed) is judged again on ``redraws`` fresh draws
+    (seeds derived from ``seed``), each of which must pass outright; an exact fp32 implementation then fails with
+    probability ~2 p^2 (p ~ 1-2% a draw) instead of p, and any other failure, or any failure of 16-bit inputs, fails
+    at once.  Returns the checks of the last draw judged.
+    """
+    checks = judge(seed)
+    failed = [c for c in checks if not c.passed]
+    if not failed:
+        return checks
+    tables = [f"seed {seed}:\n" + format_checks(checks)]
+    if input_dtype != torch.float32 or not all(c.dual_only for c in failed):
+        raise AssertionError("accuracy contract violated:\n" + "\n".join(tables))
+    for redraw in range(1, redraws + 1):
+        redraw_seed = (seed * 1_000_003 + redraw) % 2**31
+        checks = judge(redraw_seed)
+        tables.append(f"re-draw {redraw}, seed {redraw_seed}:\n" + format_checks(checks))
+        if not all(c.passed for c in checks):
+            raise AssertionError("accuracy contract violated (fp32: a dual-benchmark failure, then a failing "
+                                 "re-draw):\n" + "\n".join(tables))
     return checks
