@@ -101,13 +101,46 @@ def _span_da_cs(da_cs_ptr, disc, t, C: gl.constexpr, SPAN: gl.constexpr):
 
 
 @gluon.jit
+def _add_segment_entry(state_bufs, states_ptr, seg_entry_ptr, entry_decay_ptr, bh, span, NCH, CHUNKS_PER_SEG,
+                       N_SEGMENTS, p0, N: gl.constexpr, P: gl.constexpr, HALF: gl.constexpr, WIDTH: gl.constexpr,
+                       PIECES: gl.constexpr, BLOCK_P: gl.constexpr, num_warps: gl.constexpr):
+    """Local-state schedule (one chunk a program): the boxes hold the segment-local state; the state entering the
+    chunk adds its segment's entry state times its decay from the segment start.  It replaces the boxes (as the B
+    operand, bf16 as chunk_scan's dot operand) and the local state in ``states`` (the output)."""
+    seg = span // CHUNKS_PER_SEG
+    if seg > 0:
+        entry_scale = gl.load(entry_decay_ptr + bh * NCH + span)
+        fix_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
+        n_rows = gl.arange(0, WIDTH, gl.SliceLayout(1, fix_layout))
+        p_cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, fix_layout))
+        for i in gl.static_range(2 * PIECES):
+            offs = ((i // PIECES) * HALF + (i % PIECES) * WIDTH + n_rows)[:, None] * P + p_cols[None, :]
+            full = state_bufs.index(i).load(fix_layout).to(gl.float32) + entry_scale * gl.load(
+                seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + offs)
+            state_bufs.index(i).store(full.to(gl.bfloat16))
+            gl.store(states_ptr + (bh * NCH + span) * N * P + offs, full.to(gl.bfloat16))
+
+
+@gluon.jit
+def _store_psiv(psiv_smem, v_smem, psi_ptr, h, p0, R: gl.constexpr, L: gl.constexpr, P: gl.constexpr,
+                BLOCK_P: gl.constexpr, num_warps: gl.constexpr):
+    """psiv [R * L, P tile] (rank-major rows) = v * Psi[r] as bf16, the B operand of the mixing product."""
+    p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
+    p_cols = gl.arange(0, BLOCK_P, gl.SliceLayout(0, p_layout))
+    v_tile = v_smem.load(p_layout).to(gl.float32)
+    for r in gl.static_range(R):
+        psi = gl.load(psi_ptr + (h * R + r) * P + p0 + p_cols)
+        psiv_smem.slice(r * L, L).store((v_tile * psi[None, :]).to(gl.bfloat16))
+
+
+@gluon.jit
 def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc, q_bias_ptr, k_bias_ptr,
                              psi_ptr, d_ptr, v_ptr, da_cs_ptr, gamma_ptr, trap_scale_ptr, qk_dot_ptr, raw_y_ptr,
                              raw_y_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, S, H, G, NCH, RD,
                              CHUNKS_PER_SEG, N_SEGMENTS,
                              C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
                              BLOCK_P: gl.constexpr, SPAN: gl.constexpr, ADD_ENTRY: gl.constexpr, HAS_D: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             SPLIT_LOADS: gl.constexpr, num_warps: gl.constexpr):
     # A span of SPAN chunks (L tokens) is read as one chunk, as chunk_scan's span_chunks: raw_y does not depend on
     # where chunks are cut; the state read is the one entering the span.
     HALF: gl.constexpr = N // 2
@@ -139,20 +172,30 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
                                             gl.NVMMASharedLayout.get_default_for([RC, RC], gl.bfloat16))
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(bar, count=1)
-
-    # Every box of the program on one barrier.
-    mbarrier.expect(bar, 2 * 2 * PIECES * q_desc.block_type.nbytes + 2 * PIECES * cos_desc.block_type.nbytes
-                    + v_desc.block_type.nbytes + 2 * PIECES * states_desc.block_type.nbytes)
+    qk_bytes: gl.constexpr = 2 * 2 * PIECES * q_desc.block_type.nbytes + 2 * PIECES * cos_desc.block_type.nbytes
+    state_v_bytes: gl.constexpr = v_desc.block_type.nbytes + 2 * PIECES * states_desc.block_type.nbytes
+    if SPLIT_LOADS:
+        # q, k and the tables on one barrier, the state and v on a second: the rotation and the scores start once
+        # the first lands, while the state boxes (the most bytes, from DRAM) are still on their way.
+        state_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(state_bar, count=1)
+        mbarrier.expect(bar, qk_bytes)
+        mbarrier.expect(state_bar, state_v_bytes)
+    else:
+        # Every box of the program on one barrier.
+        state_bar = bar
+        mbarrier.expect(bar, qk_bytes + state_v_bytes)
     for i in gl.static_range(2 * PIECES):
         column = g * N + (i // PIECES) * HALF + (i % PIECES) * WIDTH
         tma.async_copy_global_to_shared(q_desc, [0, row, column], bar, q_bufs.index(i))
         tma.async_copy_global_to_shared(k_desc, [0, row, column], bar, k_bufs.index(i))
-        state_row = (bh * NCH + span * SPAN) * N + (i // PIECES) * HALF + (i % PIECES) * WIDTH
-        tma.async_copy_global_to_shared(states_desc, [state_row, p0], bar, state_bufs.index(i))
     for j in gl.static_range(PIECES):
         tma.async_copy_global_to_shared(cos_desc, [row, h * RD + j * WIDTH], bar, cos_bufs.index(j))
         tma.async_copy_global_to_shared(sin_desc, [row, h * RD + j * WIDTH], bar, sin_bufs.index(j))
-    tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_smem)
+    for i in gl.static_range(2 * PIECES):
+        state_row = (bh * NCH + span * SPAN) * N + (i // PIECES) * HALF + (i % PIECES) * WIDTH
+        tma.async_copy_global_to_shared(states_desc, [state_row, p0], state_bar, state_bufs.index(i))
+    tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], state_bar, v_smem)
 
     # Per-(rank, token) row and per-column vectors of the [RC, RC] scores and the [RC, P tile] outputs; rows are
     # rank-major, row = r * L + t.
@@ -172,41 +215,47 @@ def _gluon_chunk_scan_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_
     weights = gl.where(earlier, gl.exp(gl.where(earlier, da_row[:, None] - da_col[None, :], 0.0)) * ts_col[None, :],
                        gl.where(same, gamma_row[:, None], 0.0))
 
-    mbarrier.wait(bar, 0)
-    mbarrier.invalidate(bar)
-    if ADD_ENTRY:
-        # Local-state schedule (one chunk a program): the boxes hold the segment-local state; the state entering the
-        # chunk adds its segment's entry state times its decay from the segment start.  It replaces the boxes (as
-        # the B operand, bf16 as chunk_scan's dot operand) and the local state in ``states`` (the output).
-        seg = span // CHUNKS_PER_SEG
-        if seg > 0:
-            entry_scale = gl.load(entry_decay_ptr + bh * NCH + span)
-            fix_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
-            n_rows = gl.arange(0, WIDTH, gl.SliceLayout(1, fix_layout))
-            p_cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, fix_layout))
-            for i in gl.static_range(2 * PIECES):
-                offs = ((i // PIECES) * HALF + (i % PIECES) * WIDTH + n_rows)[:, None] * P + p_cols[None, :]
-                full = state_bufs.index(i).load(fix_layout).to(gl.float32) + entry_scale * gl.load(
-                    seg_entry_ptr + (bh * N_SEGMENTS + seg) * N * P + offs)
-                state_bufs.index(i).store(full.to(gl.bfloat16))
-                gl.store(states_ptr + (bh * NCH + span) * N * P + offs, full.to(gl.bfloat16))
-    _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, L, R, N, num_warps)
-    _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, L, R, N, num_warps)
-    p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
-    p_cols = gl.arange(0, BLOCK_P, gl.SliceLayout(0, p_layout))
-    v_tile = v_smem.load(p_layout).to(gl.float32)
-    for r in gl.static_range(R):
-        psi = gl.load(psi_ptr + (h * R + r) * P + p0 + p_cols)
-        psiv_smem.slice(r * L, L).store((v_tile * psi[None, :]).to(gl.bfloat16))
-    fence_async_shared()
+    if SPLIT_LOADS:
+        mbarrier.wait(bar, 0)
+        _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, L, R, N, num_warps)
+        _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, L, R, N, num_warps)
+        fence_async_shared()
+        scores = gl.zeros([RC, RC], gl.float32, scores_layout)
+        for i in gl.static_range(2 * PIECES):
+            scores = warpgroup_mma(q_bufs.index(i).reshape([RC, WIDTH]),
+                                   k_bufs.index(i).reshape([RC, WIDTH]).permute((1, 0)), scores, is_async=True)
+        mbarrier.wait(state_bar, 0)
+        if ADD_ENTRY:
+            _add_segment_entry(state_bufs, states_ptr, seg_entry_ptr, entry_decay_ptr, bh, span, NCH, CHUNKS_PER_SEG,
+                               N_SEGMENTS, p0, N, P, HALF, WIDTH, PIECES, BLOCK_P, num_warps)
+        _store_psiv(psiv_smem, v_smem, psi_ptr, h, p0, R, L, P, BLOCK_P, num_warps)
+        fence_async_shared()
+        y_state = gl.zeros([RC, BLOCK_P], gl.float32, y_layout)
+        for i in gl.static_range(2 * PIECES):
+            y_state = warpgroup_mma(q_bufs.index(i).reshape([RC, WIDTH]), state_bufs.index(i), y_state,
+                                    is_async=True)
+        scores, y_state = warpgroup_mma_wait(0, deps=(scores, y_state))
+        mbarrier.invalidate(bar)
+        mbarrier.invalidate(state_bar)
+    else:
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        if ADD_ENTRY:
+            _add_segment_entry(state_bufs, states_ptr, seg_entry_ptr, entry_decay_ptr, bh, span, NCH, CHUNKS_PER_SEG,
+                               N_SEGMENTS, p0, N, P, HALF, WIDTH, PIECES, BLOCK_P, num_warps)
+        _rotate_in_place(q_bufs, cos_bufs, sin_bufs, q_bias_ptr, h, RD, L, R, N, num_warps)
+        _rotate_in_place(k_bufs, cos_bufs, sin_bufs, k_bias_ptr, h, RD, L, R, N, num_warps)
+        _store_psiv(psiv_smem, v_smem, psi_ptr, h, p0, R, L, P, BLOCK_P, num_warps)
+        fence_async_shared()
 
-    scores = gl.zeros([RC, RC], gl.float32, scores_layout)
-    y_state = gl.zeros([RC, BLOCK_P], gl.float32, y_layout)
-    for i in gl.static_range(2 * PIECES):
-        q_rows = q_bufs.index(i).reshape([RC, WIDTH])
-        scores = warpgroup_mma(q_rows, k_bufs.index(i).reshape([RC, WIDTH]).permute((1, 0)), scores, is_async=True)
-        y_state = warpgroup_mma(q_rows, state_bufs.index(i), y_state, is_async=True)
-    scores, y_state = warpgroup_mma_wait(0, deps=(scores, y_state))
+        scores = gl.zeros([RC, RC], gl.float32, scores_layout)
+        y_state = gl.zeros([RC, BLOCK_P], gl.float32, y_layout)
+        for i in gl.static_range(2 * PIECES):
+            q_rows = q_bufs.index(i).reshape([RC, WIDTH])
+            scores = warpgroup_mma(q_rows, k_bufs.index(i).reshape([RC, WIDTH]).permute((1, 0)), scores,
+                                   is_async=True)
+            y_state = warpgroup_mma(q_rows, state_bufs.index(i), y_state, is_async=True)
+        scores, y_state = warpgroup_mma_wait(0, deps=(scores, y_state))
 
     if pid_p == 0:
         # Same-token blocks are qk_dot[t, r, r'] (rotation keeps those dots).
@@ -296,10 +345,11 @@ def descriptors(*, q, k, v, cos_angles, sin_angles, states, chunk_size, block_p,
 
 def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, gamma, trap_scale,
                      states, qk_dot, raw_y, raw_y_scale, chunk_size, block_p, span_chunks=1, seg_entry=None,
-                     entry_decay=None, chunks_per_segment=1, **_unused):
+                     entry_decay=None, chunks_per_segment=1, split_loads=False, **_unused):
     """``chunk_scan(raw_y=..., raw_y_scale=...)`` (fp16 raw_y) through the probe kernel: a program per (P tile, span
     of ``span_chunks`` chunks, (b, h)).  With ``seg_entry`` and ``entry_decay`` (the local-state schedule, one chunk
-    a span) ``states`` holds segment-local states on entry and full ones on return, as chunk_scan does."""
+    a span) ``states`` holds segment-local states on entry and full ones on return, as chunk_scan does.
+    ``split_loads``: the state and v boxes on a barrier of their own (the kernel's SPLIT_LOADS)."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
@@ -319,10 +369,10 @@ def gluon_chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v,
            q_bias if entry_decay is None else entry_decay, S, H, G, cdiv(S, chunk_size), RD, chunks_per_segment,
            1 if seg_entry is None else seg_entry.shape[2],
            C=chunk_size, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span_chunks, ADD_ENTRY=seg_entry is not None,
-           HAS_D=d is not None, num_warps=4)
+           HAS_D=d is not None, SPLIT_LOADS=split_loads, num_warps=4)
 
 
-def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False, tables=torch.float16):
+def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False, tables=torch.float16, split_loads=False):
     """The probe compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed; spans of as many
     chunks as make R * C * span = 64 rows."""
     from gluon_scan_probe import _Shaped
@@ -353,7 +403,8 @@ def compile_for_sm90(case, *, block_p=64, has_d=True, add_entry=False, tables=to
     # qk_dot in the output dtype (bf16 on the official grid).
     types.update(v_ptr="*bf16", raw_y_ptr="*fp16", states_ptr="*bf16", qk_dot_ptr="*bf16")
     types.update({name: "i32" for name in ("S", "H", "G", "NCH", "RD", "CHUNKS_PER_SEG", "N_SEGMENTS")})
-    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span, ADD_ENTRY=add_entry, HAS_D=has_d, num_warps=4)
+    constants = dict(C=C, R=R, N=N, P=P, BLOCK_P=block_p, SPAN=span, ADD_ENTRY=add_entry, HAS_D=has_d,
+                     SPLIT_LOADS=split_loads, num_warps=4)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_chunk_scan_kernel.arg_names}
     source = GluonASTSource(_gluon_chunk_scan_kernel, signature, constants)
@@ -517,18 +568,23 @@ def check_emulation(seed=7):
     return _check("cpu", emulate, tl.float32, seed)
 
 
-def check_gpu(seed=7):
+def check_gpu(seed=7, split_loads=False):
     """Hopper GPU: the probe kernel against the production ``chunk_scan`` (bf16 products) on the same problems at
     B = 2, S = 256."""
+    import functools
+
     import triton.language as tl
 
-    return _check("cuda", gluon_chunk_scan, tl.bfloat16, seed)
+    return _check("cuda", functools.partial(gluon_chunk_scan, split_loads=split_loads), tl.bfloat16, seed)
 
 
 class probe_in_production:
     """Within it, production calls run the probe in place of ``chunk_scan`` where it covers the call (an fp16 raw_y;
     one span a program; one chunk a span with the local-state schedule's entry states) and count those calls in
     ``self.calls``."""
+
+    def __init__(self, split_loads=False):
+        self.split_loads = split_loads
 
     def __enter__(self):
         from mamba3_mimo.ops import production
@@ -548,7 +604,7 @@ class probe_in_production:
             if not covered:
                 return self.original(**kwargs)
             self.calls.append(1)
-            return gluon_chunk_scan(**kwargs)
+            return gluon_chunk_scan(**kwargs, split_loads=self.split_loads)
 
         production.chunk_scan = chunk_scan
         return self
@@ -608,6 +664,31 @@ def time_case(case, *, n_segments=None):
     return record
 
 
+
+def time_split(case):
+    """Hopper GPU, an official shape (B=4, S=2048, H=16, bf16, Z on): graph us and per-kernel us of whole calls, two
+    passes with the Gluon state scan and P tiles of at most 64, with the Triton chunk_scan, the probe with every box
+    on one barrier, and the probe with the state and v boxes on a second (``split_loads``)."""
+    import dataclasses
+
+    from mamba3_mimo.bench import graph_time, kernel_breakdown, parse_case
+    from mamba3_mimo.inputs import make_inputs
+    from mamba3_mimo.ops.production import choose_config
+
+    shape = parse_case(case)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = choose_config(B=4, H=16, S=2048, num_sms=num_sms, **shape)
+    two = dataclasses.replace(base, local_states=False, gluon_scan=True, out_block_p=min(base.out_block_p, 64))
+    input_sets = [make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
+                  for seed in (0, 1)]
+    record = dict(case=case, n_segments=two.n_segments, out_block_p=two.out_block_p)
+    for name, probe in (("triton", None), ("probe", False), ("probe_split", True)):
+        with probe_in_production(split_loads=probe) if probe is not None else contextlib.nullcontext():
+            record[name + "_graph_us"] = graph_time(input_sets, "production", torch.bfloat16, config=two) * 1e3
+            record[name + "_kernels_us"] = kernel_breakdown(input_sets[0], "production", torch.bfloat16,
+                                                            config=two)[0]
+    return record
+
 CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32", "N128_P64_R1_C64",
          "N128_P128_R4_C8", "N64_P64_R4_C16", "N64_P128_R4_C16"]
 
@@ -619,14 +700,20 @@ def main(argv=None):
     parser.add_argument("--gpu", action="store_true", help="Hopper GPU: values against chunk_scan, then timings")
     parser.add_argument("--cases", nargs="+", default=CASES)
     parser.add_argument("--json", help="with --gpu: write the records here")
+    parser.add_argument("--split-loads", action="store_true",
+                        help="with --gpu: check the split-barrier kernel's values, then time_split on --cases")
+    parser.add_argument("--split", action="store_true", help="with --compile-only: the split-barrier kernel")
     args = parser.parse_args(argv)
     if args.emulate:
         print(check_emulation(), flush=True)
     if args.gpu:
-        records = [dict(case="small", **check_gpu())]
+        records = [dict(case="small", split_loads=args.split_loads, **check_gpu(split_loads=args.split_loads))]
         print(records[-1], flush=True)
+        if max(v for k, v in records[-1].items() if isinstance(v, float)) > 1e-2:
+            print("values off: no timing", flush=True)
+            args.cases = []
         for case in args.cases:
-            records.append(time_case(case))
+            records.append(time_split(case) if args.split_loads else time_case(case))
             print(records[-1], flush=True)
         if args.json:
             with open(args.json, "w") as out:
@@ -641,8 +728,9 @@ def main(argv=None):
             shape = parse_case(case)
             # The local-state schedule's entry term where a program takes one chunk.
             for add_entry in (False, True) if shape["R"] * shape["chunk_size"] == ROWS else (False,):
-                print(dict(case=case, block_p=block_p, add_entry=add_entry,
-                           **summary(compile_for_sm90(case, block_p=block_p, add_entry=add_entry))), flush=True)
+                print(dict(case=case, block_p=block_p, add_entry=add_entry, split=args.split,
+                           **summary(compile_for_sm90(case, block_p=block_p, add_entry=add_entry,
+                                                      split_loads=args.split))), flush=True)
 
 
 if __name__ == "__main__":

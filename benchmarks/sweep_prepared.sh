@@ -5,8 +5,9 @@
 # Part 1 and part 2's first two groups (as d_in_gate + both + the order at 128 registers) ran at 01845e8 (section 30).
 # Parts 10-11 (section 33) check and time the warp-specialized Gluon scan; they go first among the untimed parts.
 # Part 12 (section 34) checks and times the Gluon chunk_scan probe; part 13 tests the prepared fp32 exp (both ran at
-# b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|14 bash benchmarks/sweep_prepared.sh
+# b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp (ran at 55078f1,
+# section 36); part 15 times the probe with split loads.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|15 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -195,8 +196,17 @@ case "${PART:-1}" in
       grep -E "FAIL|passed|failed" "$OUT/fp32/precise_exp_$precise_exp.log" | tail -n 12
     done
     ;;
+  15)
+    # The Gluon chunk_scan probe with the state and v boxes on a second barrier (section 36): its values against the
+    # production chunk_scan, then whole two-pass calls with the Triton chunk_scan, the one-barrier probe and the split
+    # one (graph us, per-kernel us).  Predicted: the probe's chunk_scan 183 -> ~150-160 us at N128_P64_R4_C16 on the
+    # H100 (Triton 163), the state boxes' DRAM time hidden behind the rotation and the scores.
+    mkdir -p "$OUT/gluon_chunk_scan_split"
+    timeout 400 python3 benchmarks/gluon_chunk_scan_probe.py --gpu --split-loads --cases ${CASES:-N128_P64_R4_C16} \
+      --json "$OUT/gluon_chunk_scan_split/split.json" 2>&1 | tail -n 8
+    ;;
   *)
-    echo "PART must be 1 to 14" >&2
+    echo "PART must be 1 to 15" >&2
     exit 2
     ;;
 esac

@@ -17,11 +17,15 @@ import gluon_chunk_scan_probe  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
-def test_probe_compiles_within_99_kb():
+@pytest.mark.parametrize("split_loads", [False, True], ids=["one-barrier", "split-loads"])
+def test_probe_compiles_within_99_kb(split_loads):
     # In a process of its own: Gluon cannot compile in a session that runs the interpreter (the CPU tests).
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import gluon_chunk_scan_probe as p, gluon_scan_probe"
-            " as s; print(json.dumps(s.summary(p.compile_for_sm90('N128_P64_R4_C16'))))")
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import aot_report, gluon_chunk_scan_probe as p,"
+            f" sass_report; k = p.compile_for_sm90('N128_P64_R4_C16', split_loads={split_loads});"
+            " ops = [op for _, op, _ in sass_report.sass_ops(k)];"
+            " print(json.dumps(dict(aot_report.resources(k), HGMMA=sum(op.startswith('HGMMA') for op in ops),"
+            " SYNCS=sum(op.startswith('SYNCS') for op in ops))))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.join(os.path.dirname(__file__), ".."))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -29,6 +33,8 @@ def test_probe_compiles_within_99_kb():
     assert found["shared"] <= 101_376 and found["stack"] == 0, found
     # Three wgmma chains: scores and q~ @ state over N = 128 (4 x 4 K-steps of 16 each), the mixing (4).
     assert found["HGMMA"] >= 20, found
+    # The mbarrier operations: init, expect, wait (and invalidate) of one barrier, or of two.
+    assert found["SYNCS"] == (10 if split_loads else 5), found
 
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="production chunk_scan on CPU tensors: interpreter")
