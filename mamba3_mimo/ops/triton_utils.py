@@ -123,7 +123,7 @@ def exp_fp32(x, PRECISE: tl.constexpr = False):
     """exp(x) of fp32 x.  ``tl.exp`` lowers to ex2.approx after an fp32 multiply by log2(e): a relative error of
     ~|x| 2^-24 from the product's rounding plus the unit's 2^-22, where libdevice's expf stays within 2 ulp.
     PRECISE (CUDA only: the interpreter has no libdevice) takes libdevice's; ``host_utils.precise_exp`` says when
-    (fp32 products; docs/optimization.md section 34)."""
+    (fp32 products, off by default: no accuracy margin moved on the GPU; docs/optimization.md sections 34, 36)."""
     if PRECISE:
         y = libdevice.exp(x)
     else:
@@ -214,7 +214,7 @@ def silu_and_grad(u, FAST_SIGMOID: tl.constexpr = False, PRECISE_SIGMOID: tl.con
 
     ``host_utils.sigmoid_units`` sets the flags (CUDA only, both): FAST_SIGMOID takes ``fast_sigmoid`` (16-bit
     activations), PRECISE_SIGMOID ``precise_sigmoid`` (fp32 activations: the approximate units' relative error,
-    ~|u| 2^-23, put dPhi's MERE over the fp32 dual benchmark; docs/optimization.md section 35); neither takes
+    ~|u| 2^-23, is above fp32's rounding; docs/optimization.md sections 35-36); neither takes
     ``tl.sigmoid`` (the interpreter; stage0).  Flags, not one string constexpr: Triton 3.6 cannot take a str as a
     jit helper's default.
     """
