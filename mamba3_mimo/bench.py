@@ -239,6 +239,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         scan_half_rotation=[False, True],
         out_half_rotation=[False, True],
         gluon_scan=[False, True],
+        gluon_gate=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -167,6 +167,10 @@ class ScanConfig:
     call (``launch.py`` rebuilds their host tensor descriptors).  GPU-tested and timed on an H100 (whole calls -8
     to -13% on five N = 128 / 256 official shapes) and on the H200 (N = 64: N64_P128 468 -> 427 us);
     ``DISPATCH_SWEPT_KNOBS`` sets it (docs/optimization.md sections 33-34).
+    gluon_gate: ``gate_grads`` runs as the Gluon kernel of ``gluon_gate_grads.py`` (its tiles brought in by TMA through
+    a ring of shared-memory stages, ranks and columns across a warp's lanes) where it applies
+    (``gluon_gate_grads.unsupported``: a Hopper GPU, the fp16 raw_y scratch, 16-bit activations, R a power of two up
+    to 8, ...), else the Triton kernel (docs/optimization.md section 37).
     """
 
     block_p: int
@@ -199,6 +203,7 @@ class ScanConfig:
     gate_tile_elements: int = 2048
     gate_num_warps: int = 4
     gluon_scan: bool = False
+    gluon_gate: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -539,9 +544,17 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                    max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
         skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
-        dphi, dzeta = gate_grads(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout,
-                                 z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens,
-                                 tile_elements=config.gate_tile_elements, num_warps=config.gate_num_warps, **skip)
+        gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout, z=z,
+                    mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens, **skip)
+        gate_kernel = functools.partial(gate_grads, tile_elements=config.gate_tile_elements,
+                                        num_warps=config.gate_num_warps)
+        if config.gluon_gate:
+            from . import gluon_gate_grads
+
+            if gluon_gate_grads.unsupported(**gate, block_p=gluon_gate_grads.tile_columns(
+                    R=R, P=P, scale_block_p=config.out_block_p)) is None:
+                gate_kernel = gluon_gate_grads.gluon_gate_grads
+        dphi, dzeta = gate_kernel(**gate)
     else:
         dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
                                    q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
