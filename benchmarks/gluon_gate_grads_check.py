@@ -89,6 +89,19 @@ def compare(t, config, variant):
     return errors
 
 
+def graph_us(fn, sets):
+    """Device us of one call: a CUDA graph of one call on each input set, replayed (no host work in the timing; the
+    sets together exceed L2), the median of ``do_bench`` over replays divided by the sets."""
+    for t in sets:
+        fn(t)  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for t in sets:
+            fn(t)
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median") * 1e3 / len(sets)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compile-only", action="store_true")
@@ -99,7 +112,8 @@ def main():
     cases = [(c, cfg) for c, cfg in gate_cases() if not args.cases or c in args.cases]
     variants = [dict()]
     if args.variants:
-        variants += [dict(num_buffers=n, tokens_per_thread=k) for n, k in ((4, 2), (8, 2), (4, 4), (3, 4), (8, 1))]
+        variants += [dict(num_buffers=n, tokens_per_thread=k) for n, k in ((4, 2), (3, 4), (8, 1))]
+        variants += [dict(ranks_per_thread=r, num_buffers=n, tokens_per_thread=k) for r, n, k in ((4, 4, 1), (2, 6, 2))]
     if args.compile_only:
         records = [dict(case=case, variant=v, **compile_for_sm90(case, config, **v)) for case, config in cases
                    for v in variants]
@@ -113,13 +127,7 @@ def main():
             errors = compare(sets[0], config, variant)
             record = dict(case=case, variant=variant, errors=errors)
             for name, fn in (("triton", lambda t: run_triton(t, config)), ("gluon", lambda t: run_gluon(t, **variant))):
-                state = {"i": 0}
-
-                def call():
-                    fn(sets[state["i"] % len(sets)])
-                    state["i"] += 1
-
-                us = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+                us = graph_us(fn, sets)
                 record[name + "_us"] = us
                 record[name + "_tbs"] = moved_bytes(sets[0]) / us / 1e6
             records.append(record)
@@ -130,7 +138,7 @@ def main():
 
 
 def compile_for_sm90(case, config, num_buffers=gluon_gate_grads.NUM_BUFFERS,
-                     tokens_per_thread=gluon_gate_grads.TOKENS_PER_THREAD):
+                     tokens_per_thread=gluon_gate_grads.TOKENS_PER_THREAD, ranks_per_thread=1):
     """The kernel compiled for sm_90 on an official shape (Z and D on), no GPU needed: registers, spill, shared."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -142,7 +150,9 @@ def compile_for_sm90(case, config, num_buffers=gluon_gate_grads.NUM_BUFFERS,
     shape = parse(case)
     R, P = shape["R"], shape["P"]
     block_p = gate_grads_meta(R=R, P=P, max_block_p=config.out_block_p)["BLOCK_P"]
-    block_t = gluon_gate_grads.block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread)
+    ranks_per_thread = min(R, ranks_per_thread)
+    block_t = gluon_gate_grads.block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread,
+                                            ranks_per_thread=ranks_per_thread)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16)}
     activations = [B, S, H * P], [S * H * P, H * P, 1], [1, block_t, block_p]
     y_desc = gluon_gate_grads._box(_Shaped(base[torch.float16], (B, H, S, R, P)), [B * H, S, R, P],
@@ -156,7 +166,8 @@ def compile_for_sm90(case, config, num_buffers=gluon_gate_grads.NUM_BUFFERS,
     types["dz_ptr"] = "*bf16"
     types.update({name: "i32" for name in ("S", "H", "N_RANGES", "N_PBLOCKS", "TOKENS_PER_PROGRAM", "N_SCALE_TILES",
                                            "SCALE_COLS")})
-    constants = dict(R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, HAS_Z=True, HAS_D=True,
+    constants = dict(R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
+                     RANKS_PER_THREAD=ranks_per_thread, HAS_Z=True, HAS_D=True,
                      num_warps=gluon_gate_grads.NUM_WARPS)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in kernel.arg_names}

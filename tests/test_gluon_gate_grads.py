@@ -119,7 +119,8 @@ GPU_CASES = [
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("variant", [dict(), dict(num_buffers=2, tokens_per_thread=1),
-                                     dict(num_buffers=3, tokens_per_thread=4)], ids=["default", "short", "long"])
+                                     dict(num_buffers=3, tokens_per_thread=4), dict(ranks_per_thread=4)],
+                         ids=["default", "short", "long", "ranks_in_thread"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c[0].items()) or "base")
 def test_matches_the_triton_gate_grads(case, variant):
     shape, tokens = case
@@ -138,7 +139,7 @@ def test_matches_the_triton_gate_grads(case, variant):
     for name, got, want in pairs:
         assert torch.isfinite(got).all(), name
         # fp32 sums in another order; dz is rounded to the activations' dtype by both.
-        tol = 2 ** -7 if name == "dz" else 1e-5
+        tol = 2 ** -7 if name == "dz" else 1e-4
         err = ((got - want).abs() / (want.abs() + want.abs().max() * 1e-3)).max().item()
         assert err <= tol, (name, err)
 

@@ -38,11 +38,13 @@ NUM_BUFFERS = 6
 
 
 @gluon.constexpr_function
-def _tile_layout(R, block_p, num_warps):
-    """[tokens, ranks, cols] tiles: 8 columns a thread, a warp's lanes over the ranks and the column groups (the rest
-    over tokens), the warps over tokens."""
+def _tile_layout(R, block_p, ranks_per_thread, num_warps):
+    """[tokens, ranks, cols] tiles: 8 columns of ``ranks_per_thread`` ranks a thread, a warp's lanes over the rest of
+    the ranks and the column groups (the rest over tokens), the warps over tokens."""
     col_lanes = block_p // 8
-    return gl.BlockedLayout([1, 1, 8], [32 // (R * col_lanes), R, col_lanes], [num_warps, 1, 1], [2, 1, 0])
+    rank_lanes = R // ranks_per_thread
+    return gl.BlockedLayout([1, ranks_per_thread, 8], [32 // (rank_lanes * col_lanes), rank_lanes, col_lanes],
+                            [num_warps, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
@@ -79,7 +81,7 @@ def _gluon_gate_grads_kernel(
     y_desc, dout_desc, z_desc, v_desc, raw_y_scale_ptr, phi_ptr, zeta_ptr, psi_ptr, d_ptr, dz_ptr, dphi_ptr,
     dzeta_ptr, S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM, N_SCALE_TILES, SCALE_COLS,
     R: gl.constexpr, P: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-    HAS_Z: gl.constexpr, HAS_D: gl.constexpr, num_warps: gl.constexpr,
+    RANKS_PER_THREAD: gl.constexpr, HAS_Z: gl.constexpr, HAS_D: gl.constexpr, num_warps: gl.constexpr,
 ):
     """One program: one (b, h), a range of tokens and a P tile, as ``gate_grads``' kernel (the same partials)."""
     pid = gl.program_id(0)
@@ -93,7 +95,7 @@ def _gluon_gate_grads_kernel(
     last = gl.minimum(first + TOKENS_PER_PROGRAM, S)
     n_tiles = gl.cdiv(last - first, BLOCK_T)
 
-    layout: gl.constexpr = _tile_layout(R, BLOCK_P, num_warps)
+    layout: gl.constexpr = _tile_layout(R, BLOCK_P, RANKS_PER_THREAD, num_warps)
     rc_layout: gl.constexpr = gl.SliceLayout(0, layout)  # [ranks, cols]
     tc_layout: gl.constexpr = gl.SliceLayout(1, layout)  # [tokens, cols]
     tr_layout: gl.constexpr = gl.SliceLayout(2, layout)  # [tokens, ranks]
@@ -181,9 +183,9 @@ def tile_columns(*, R, P, scale_block_p):
     return gate_grads_meta(R=R, P=P, max_block_p=scale_block_p)["BLOCK_P"]
 
 
-def block_tokens(*, R, block_p, num_warps=NUM_WARPS, tokens_per_thread=TOKENS_PER_THREAD):
+def block_tokens(*, R, block_p, num_warps=NUM_WARPS, tokens_per_thread=TOKENS_PER_THREAD, ranks_per_thread=1):
     """Tokens of one tile: the layout's token lanes times the warps, ``tokens_per_thread`` rows a thread."""
-    return max(1, 32 // (R * (block_p // COLS_PER_THREAD))) * num_warps * tokens_per_thread
+    return max(1, 32 // (R // ranks_per_thread * (block_p // COLS_PER_THREAD))) * num_warps * tokens_per_thread
 
 
 def shared_bytes(*, R, block_p, block_t, num_buffers, has_z=True, has_d=True):
@@ -222,16 +224,19 @@ def _box(tensor, shape, strides, block):
 
 
 def gluon_gate_grads(*, raw_y, raw_y_scale, scale_block_p, dout, z, mimo_o, mimo_z, dz, v=None, mimo_v=None, d=None,
-                     tokens_per_program=256, num_buffers=NUM_BUFFERS, tokens_per_thread=TOKENS_PER_THREAD, **_unused):
+                     tokens_per_program=256, num_buffers=NUM_BUFFERS, tokens_per_thread=TOKENS_PER_THREAD,
+                     ranks_per_thread=1, **_unused):
     """``gate_grads`` (same arguments and partials) through the Gluon kernel; ``unsupported`` says where it runs.
-    ``num_buffers``: stages of the ring; ``tokens_per_thread``: token rows of a tile a thread holds."""
+    ``num_buffers``: stages of the ring; ``tokens_per_thread``: token rows of a tile a thread holds;
+    ``ranks_per_thread``: ranks of a (token, column) a thread holds (the rest across lanes)."""
     B, H, S, R, P = raw_y.shape
     has_z, has_d = z is not None, d is not None
     block_p = tile_columns(R=R, P=P, scale_block_p=scale_block_p)
     reason = unsupported(raw_y=raw_y, raw_y_scale=raw_y_scale, dout=dout, z=z, v=v, dz=dz, block_p=block_p)
     if reason:
         raise ValueError(f"gluon_gate_grads: {reason}")
-    block_t = block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread)
+    ranks_per_thread = min(ranks_per_thread, R)
+    block_t = block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread, ranks_per_thread=ranks_per_thread)
     tokens_per_program = cdiv(tokens_per_program, block_t) * block_t
     n_ranges = cdiv(S, tokens_per_program)
     n_pblocks = P // block_p
@@ -245,6 +250,7 @@ def gluon_gate_grads(*, raw_y, raw_y_scale, scale_block_p, dout, z, mimo_o, mimo
            raw_y_scale, mimo_o, mimo_z if has_z else mimo_o, mimo_v if has_d else mimo_o, d if has_d else mimo_o,
            dz if has_z else dout, dphi, dzeta if has_z else dphi,
            S, H, n_ranges, n_pblocks, tokens_per_program, raw_y_scale.shape[-1], scale_block_p,
-           R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, HAS_Z=has_z, HAS_D=has_d,
+           R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers, RANKS_PER_THREAD=ranks_per_thread,
+           HAS_Z=has_z, HAS_D=has_d,
            num_warps=NUM_WARPS)
     return dphi, dzeta
