@@ -137,8 +137,7 @@ def main():
             json.dump(dict(gpu=torch.cuda.get_device_name(), records=records), f, indent=1)
 
 
-def compile_for_sm90(case, config, num_buffers=gluon_gate_grads.NUM_BUFFERS,
-                     tokens_per_thread=gluon_gate_grads.TOKENS_PER_THREAD, ranks_per_thread=1):
+def compile_for_sm90(case, config, num_buffers=None, tokens_per_thread=None, ranks_per_thread=None):
     """The kernel compiled for sm_90 on an official shape (Z and D on), no GPU needed: registers, spill, shared."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -150,7 +149,10 @@ def compile_for_sm90(case, config, num_buffers=gluon_gate_grads.NUM_BUFFERS,
     shape = parse(case)
     R, P = shape["R"], shape["P"]
     block_p = gate_grads_meta(R=R, P=P, max_block_p=config.out_block_p)["BLOCK_P"]
-    ranks_per_thread = min(R, ranks_per_thread)
+    chosen = gluon_gate_grads.tile_variant(R)
+    num_buffers = num_buffers or chosen["num_buffers"]
+    tokens_per_thread = tokens_per_thread or chosen["tokens_per_thread"]
+    ranks_per_thread = min(R, ranks_per_thread or chosen["ranks_per_thread"])
     block_t = gluon_gate_grads.block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread,
                                             ranks_per_thread=ranks_per_thread)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16)}
@@ -173,7 +175,7 @@ def compile_for_sm90(case, config, num_buffers=gluon_gate_grads.NUM_BUFFERS,
     signature = {name: types[name] for name in kernel.arg_names}
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=gluon_gate_grads.NUM_WARPS))
-    return dict(block_t=block_t, block_p=block_p, **aot_report.resources(compiled))
+    return dict(block_t=block_t, block_p=block_p, num_buffers=num_buffers, **aot_report.resources(compiled))
 
 
 if __name__ == "__main__":

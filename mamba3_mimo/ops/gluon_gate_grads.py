@@ -33,8 +33,17 @@ SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 COLS_PER_THREAD = 8  # one 16-byte fp16 / bf16 vector of a row
 MAX_RANKS = 8
 NUM_WARPS = 4
-TOKENS_PER_THREAD = 2
-NUM_BUFFERS = 6
+# Ring stages, token rows a thread holds, ranks a thread holds, per R: the best of the variants timed on an H100
+# (benchmarks/results/2026-12-05_h100_gluon_gate_78c9439.json; docs/optimization.md section 37).  At R = 4 the ranks
+# across lanes and a 4-stage ring of 8-token tiles (128 registers, 4 programs an SM); at R = 8 two ranks a thread
+# (dz's rank sum half in registers, half across lanes) and 6 stages of 16-token tiles.
+TILE_VARIANTS = {4: dict(num_buffers=4, tokens_per_thread=2, ranks_per_thread=1),
+                 8: dict(num_buffers=6, tokens_per_thread=2, ranks_per_thread=2)}
+
+
+def tile_variant(R):
+    """Ring stages, token rows a thread and ranks a thread for R ranks (R = 4's where R = 8's was not timed)."""
+    return dict(TILE_VARIANTS[8 if R >= 8 else 4])
 
 
 @gluon.constexpr_function
@@ -183,7 +192,7 @@ def tile_columns(*, R, P, scale_block_p):
     return gate_grads_meta(R=R, P=P, max_block_p=scale_block_p)["BLOCK_P"]
 
 
-def block_tokens(*, R, block_p, num_warps=NUM_WARPS, tokens_per_thread=TOKENS_PER_THREAD, ranks_per_thread=1):
+def block_tokens(*, R, block_p, tokens_per_thread, ranks_per_thread, num_warps=NUM_WARPS):
     """Tokens of one tile: the layout's token lanes times the warps, ``tokens_per_thread`` rows a thread."""
     return max(1, 32 // (R // ranks_per_thread * (block_p // COLS_PER_THREAD))) * num_warps * tokens_per_thread
 
@@ -224,18 +233,21 @@ def _box(tensor, shape, strides, block):
 
 
 def gluon_gate_grads(*, raw_y, raw_y_scale, scale_block_p, dout, z, mimo_o, mimo_z, dz, v=None, mimo_v=None, d=None,
-                     tokens_per_program=256, num_buffers=NUM_BUFFERS, tokens_per_thread=TOKENS_PER_THREAD,
-                     ranks_per_thread=1, **_unused):
+                     tokens_per_program=256, num_buffers=None, tokens_per_thread=None, ranks_per_thread=None,
+                     **_unused):
     """``gate_grads`` (same arguments and partials) through the Gluon kernel; ``unsupported`` says where it runs.
     ``num_buffers``: stages of the ring; ``tokens_per_thread``: token rows of a tile a thread holds;
-    ``ranks_per_thread``: ranks of a (token, column) a thread holds (the rest across lanes)."""
+    ``ranks_per_thread``: ranks of a (token, column) a thread holds (the rest across lanes); None: ``tile_variant``."""
     B, H, S, R, P = raw_y.shape
     has_z, has_d = z is not None, d is not None
     block_p = tile_columns(R=R, P=P, scale_block_p=scale_block_p)
     reason = unsupported(raw_y=raw_y, raw_y_scale=raw_y_scale, dout=dout, z=z, v=v, dz=dz, block_p=block_p)
     if reason:
         raise ValueError(f"gluon_gate_grads: {reason}")
-    ranks_per_thread = min(ranks_per_thread, R)
+    chosen = tile_variant(R)
+    num_buffers = num_buffers or chosen["num_buffers"]
+    tokens_per_thread = tokens_per_thread or chosen["tokens_per_thread"]
+    ranks_per_thread = min(ranks_per_thread or chosen["ranks_per_thread"], R)
     block_t = block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread, ranks_per_thread=ranks_per_thread)
     tokens_per_program = cdiv(tokens_per_program, block_t) * block_t
     n_ranges = cdiv(S, tokens_per_program)

@@ -395,6 +395,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
             out_max_registers = 168
         if not gate_in_scan:
             gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
+    # gate_grads as the Gluon kernel (TMA ring) at R = 4 and 8 (docs/optimization.md section 37).  H100, 78c9439,
+    # CUDA-graph replays of gate_grads alone (Triton -> Gluon us): P = 64, R = 4 70.5 -> 65.0; N64_P128 135.8 -> 111.4;
+    # N128_P32 40.4 -> 37.6; R8_C8 122.5 -> 98.8 (two ranks a thread); R2_C32 46.7 -> 47.3, a tie, left to Triton.  In
+    # whole calls (profiler, gluon_gate off -> on): N16 72 -> 66, N128_P64_R4_C16 71 -> 68, N64_P128 114 -> 102.
+    gluon_gate = bool(swept and split_gate and not gate_in_scan and R in (4, 8))
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
@@ -402,7 +407,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
                       scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
                       d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
-                      out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept)
+                      out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept,
+                      gluon_gate=gluon_gate)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
