@@ -61,6 +61,9 @@ SPLIT_GATE_IN_SCAN_SPANS = dataclasses.replace(SPLIT_SPANS, out_max_registers=16
 # q / k rotated in bf16 in both stages (bf16 tables), the D skip in gate_grads.
 SPLIT_HALF_ROTATION = dataclasses.replace(SPLIT_P_TILES, scan_half_rotation=True, out_half_rotation=True,
                                           d_in_gate=True)
+# gate_grads as the Gluon kernel (TMA boxes past S zero-filled, the dz store masked): R = 4 over a partial last token
+# range, R = 8 with two ranks a thread.
+SPLIT_GLUON_GATE = dataclasses.replace(SPLIT_HALF_ROTATION, gluon_gate=True)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -108,6 +111,10 @@ CASES = [
      dict(B=1, S=150, H=2, G=1, N=128, P=64, R=1, chunk_size=64, dtype=F32, z=True, d=True)),
     ("production-split-half-rotation", "production", SPLIT_HALF_ROTATION,
      dict(B=1, S=80, H=2, G=1, N=128, P=96, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-gluon-gate-r4", "production", SPLIT_GLUON_GATE,
+     dict(B=1, S=100, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-gluon-gate-r8", "production", SPLIT_GLUON_GATE,
+     dict(B=1, S=72, H=2, G=1, N=128, P=64, R=8, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,
