@@ -28,6 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .gate_grads import gate_grads_meta
 from .host_utils import cdiv
 from .launch import launch
+from .triton_utils import fast_sigmoid
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 COLS_PER_THREAD = 8  # one 16-byte fp16 / bf16 vector of a row
@@ -54,15 +55,6 @@ def _tile_layout(R, block_p, ranks_per_thread, num_warps):
     rank_lanes = R // ranks_per_thread
     return gl.BlockedLayout([1, ranks_per_thread, 8], [32 // (rank_lanes * col_lanes), rank_lanes, col_lanes],
                             [num_warps, 1, 1], [2, 1, 0])
-
-
-@gluon.jit
-def _fast_sigmoid(u):
-    """1 / (1 + 2^(-u log2 e)) on the approximate units (``triton_utils.fast_sigmoid``, for Gluon)."""
-    exp_neg = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [u * -1.4426950408889634],
-                                        dtype=gl.float32, is_pure=True, pack=1)
-    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + exp_neg], dtype=gl.float32,
-                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -172,7 +164,7 @@ def _gluon_gate_grads_kernel(
         if HAS_Z:
             z = z_bufs.index(stage).reshape([BLOCK_T, BLOCK_P]).load(tc_layout).to(gl.float32)[:, None, :]
             u = z * zeta[None, :, :]
-            sig = _fast_sigmoid(u)
+            sig = fast_sigmoid(u)
             du_over_phi = y_dout * (sig * (1.0 + u * (1.0 - sig)))  # dL/du without its Phi factor
             dphi_acc += (u * sig) * y_dout
             dzeta_acc += du_over_phi * z
