@@ -6,7 +6,7 @@
 # Parts 10-11 (section 33) check and time the warp-specialized Gluon scan; they go first among the untimed parts.
 # Part 12 (section 34) checks and times the Gluon chunk_scan probe; part 13 tests the prepared fp32 exp (both ran at
 # b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp (ran at 55078f1,
-# section 36); part 15 times the probe with split loads.
+# section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32.
 # usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|15 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -205,8 +205,16 @@ case "${PART:-1}" in
     timeout 400 python3 benchmarks/gluon_chunk_scan_probe.py --gpu --split-loads --cases ${CASES:-N128_P64_R4_C16} \
       --json "$OUT/gluon_chunk_scan_split/split.json" 2>&1 | tail -n 8
     ;;
+  16)
+    # Without Z, N16 (the worst Z-off case, 2.15x) and N32 run the fused output stage; the split one with the gate in
+    # chunk_scan (gate_in_scan: no raw_y scratch, no gate_grads pass), local states, the bf16 rotation and its
+    # 128-register cap (section 37's notes) was last timed at N16 before those (8ebfff3: 251 against 243 us graph,
+    # chunk_scan then 168 registers).  Statically at 128: 40 B of spill at N16, 16 B at N32.  Predicted N16 243 ->
+    # ~205-215 us (chunk_scan as with Z, ~112-126 us, the scan 60-65); N32 a tie (219 = 219 at f51bf7f).
+    sweep noz_small_split NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="split_gate=0:1"
+    ;;
   *)
-    echo "PART must be 1 to 15" >&2
+    echo "PART must be 1 to 16" >&2
     exit 2
     ;;
 esac
