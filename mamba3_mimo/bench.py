@@ -80,13 +80,13 @@ def copy_bandwidth(device, nbytes=2 << 30):
 
 def jit_kernels():
     """Every Triton kernel of both implementations by short name (the bench and benchmarks/aot_report.py)."""
-    from .ops import (chunk_output, chunk_scan, chunk_state, gate_grads, gluon_state_scan, group_sum, stage0,
-                      state_passing, token_tables)
+    from .ops import (chunk_output, chunk_scan, chunk_state, gate_grads, gluon_gate_grads, gluon_state_scan,
+                      group_sum, stage0, state_passing, token_tables)
 
     return {"state_scan": chunk_state._state_scan_kernel, "gluon_scan": gluon_state_scan._gluon_scan_kernel,
             "chunk_output": chunk_output._chunk_output_kernel,
             "chunk_scan": chunk_scan._chunk_scan_kernel, "chunk_scan_gate": chunk_scan._chunk_scan_gate_kernel,
-            "gate_grads": gate_grads._gate_grads_kernel,
+            "gate_grads": gate_grads._gate_grads_kernel, "gluon_gate": gluon_gate_grads._gluon_gate_grads_kernel,
             "token_tables": token_tables._token_tables_kernel,
             "flat_token_tables": token_tables._flat_token_tables_kernel,
             "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
