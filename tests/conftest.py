@@ -4,6 +4,7 @@ Without CUDA the kernels run in the Triton interpreter, which must be switched o
 anything imports triton; pytest imports this file first, so it is done here at import time.
 """
 
+import dataclasses
 import itertools
 import os
 import zlib
@@ -38,6 +39,17 @@ def poison_outputs(monkeypatch):
 def to_device(inputs, device):
     """The keyword arguments of ``make_inputs`` with every tensor moved to ``device``."""
     return {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in inputs.items()}
+
+
+def assert_knob_inert(inputs, base, knob):
+    """Production calls on ``inputs`` with ``base`` and with its switch ``knob`` on give the same outputs bit for bit
+    (a knob that routes to a kernel where it applies, checked where it does not)."""
+    outputs = [api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production",
+                           config=dataclasses.replace(base, **{knob: on})) for on in (False, True)]
+    for plain, with_knob in zip(*outputs):
+        assert (plain is None) == (with_knob is None)
+        if plain is not None:
+            assert torch.equal(plain, with_knob)
 
 
 def seed_for(*parts):
