@@ -115,10 +115,11 @@ def main():
         variants += [dict(num_buffers=n, tokens_per_thread=k) for n, k in ((4, 2), (3, 4), (8, 1))]
         variants += [dict(ranks_per_thread=r, num_buffers=n, tokens_per_thread=k) for r, n, k in ((4, 4, 1), (2, 6, 2))]
     if args.compile_only:
-        records = [dict(case=case, variant=v, **compile_for_sm90(case, config, **v)) for case, config in cases
-                   for v in variants]
-        for record in records:
-            print(json.dumps(record))
+        for case, config in cases:
+            for v in variants:
+                found = compile_for_sm90(case, config, **v)
+                found.pop("kernel")
+                print(json.dumps(dict(case=case, variant=v, **found)))
         return
     records = []
     for case, config in cases:
@@ -138,10 +139,13 @@ def main():
 
 
 def compile_for_sm90(case, config, num_buffers=None, tokens_per_thread=None, ranks_per_thread=None):
-    """The kernel compiled for sm_90 on an official shape (Z and D on), no GPU needed: registers, spill, shared."""
+    """The kernel compiled for sm_90 on an official shape (Z and D on), no GPU needed, specialized as Triton's
+    launcher would the real call (integer divisibility, pointer alignment): registers, spill, shared; and the
+    compiled kernel under ``"kernel"``."""
     from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from triton.runtime.jit import create_function_from_signature
 
     import aot_report
     from gluon_scan_probe import _Shaped
@@ -155,27 +159,27 @@ def compile_for_sm90(case, config, num_buffers=None, tokens_per_thread=None, ran
     ranks_per_thread = min(R, ranks_per_thread or chosen["ranks_per_thread"])
     block_t = gluon_gate_grads.block_tokens(R=R, block_p=block_p, tokens_per_thread=tokens_per_thread,
                                             ranks_per_thread=ranks_per_thread)
-    base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16)}
+    base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     activations = [B, S, H * P], [S * H * P, H * P, 1], [1, block_t, block_p]
     y_desc = gluon_gate_grads._box(_Shaped(base[torch.float16], (B, H, S, R, P)), [B * H, S, R, P],
                                    [S * R * P, R * P, P, 1], [1, block_t, R, block_p])
     act_desc = gluon_gate_grads._box(_Shaped(base[torch.bfloat16], (B, S, H, P)), *activations)
+    tokens = cdiv(config.gate_tokens, block_t) * block_t
+    f32 = base[torch.float32]
+    args = [y_desc, act_desc, act_desc, act_desc, f32, f32, f32, f32, f32, base[torch.bfloat16], f32, f32,
+            S, H, cdiv(S, tokens), P // block_p, tokens, cdiv(P, config.out_block_p), config.out_block_p]
+    kwargs = dict(R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
+                  RANKS_PER_THREAD=ranks_per_thread, HAS_Z=True, HAS_D=True, num_warps=gluon_gate_grads.NUM_WARPS)
     kernel = gluon_gate_grads._gluon_gate_grads_kernel
-    types = dict(y_desc=mangle_type(y_desc), dout_desc=mangle_type(act_desc), z_desc=mangle_type(act_desc),
-                 v_desc=mangle_type(act_desc))
-    types.update({name: "*fp32" for name in ("raw_y_scale_ptr", "phi_ptr", "zeta_ptr", "psi_ptr", "d_ptr", "dphi_ptr",
-                                             "dzeta_ptr")})
-    types["dz_ptr"] = "*bf16"
-    types.update({name: "i32" for name in ("S", "H", "N_RANGES", "N_PBLOCKS", "TOKENS_PER_PROGRAM", "N_SCALE_TILES",
-                                           "SCALE_COLS")})
-    constants = dict(R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
-                     RANKS_PER_THREAD=ranks_per_thread, HAS_Z=True, HAS_D=True,
-                     num_warps=gluon_gate_grads.NUM_WARPS)
-    types.update({name: "constexpr" for name in constants})
-    signature = {name: types[name] for name in kernel.arg_names}
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=gluon_gate_grads.NUM_WARPS))
-    return dict(block_t=block_t, block_p=block_p, num_buffers=num_buffers, **aot_report.resources(compiled))
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    return dict(block_t=block_t, block_p=block_p, num_buffers=num_buffers, **aot_report.resources(compiled),
+                kernel=compiled)
 
 
 if __name__ == "__main__":

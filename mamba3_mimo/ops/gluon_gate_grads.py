@@ -5,8 +5,8 @@ z / v copies take the registers a deeper look-ahead would need, and it moves its
 copy bandwidth (docs/optimization.md sections 23-26).  Here every tile of a program's token range is asked for
 ``NUM_BUFFERS - 1`` tiles ahead by TMA into a ring of shared-memory stages (no registers held for it), and each
 tile is read out of shared memory in one register layout chosen once.  On an H100 that made the pass 7-19% faster
-(section 37), not the ~40% its bytes allowed: both forms are held by their instruction issue (this one at ~65% of its
-issue rate with 37 SASS an element, the Triton one at ~48% with 30), not by bytes in flight.
+(section 37), not the ~40% its bytes allowed: both forms are held by their instruction issue (this one at ~62% of its
+issue rate with 35 SASS an element at R = 4, the Triton one at ~48% with 30), not by bytes in flight.
 
 - raw_y [B, H, S, R, P] (fp16 scaled per row, as ``chunk_scan`` stores it) as [1, tokens, R, P tile] boxes of its
   [B * H, S, R, P] view; dout, z and v as [1, tokens, P tile] boxes of their [B, S, H * P] views.  Boxes past S
