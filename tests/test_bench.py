@@ -89,10 +89,11 @@ def test_sweep_of_the_output_stage_starts_from_the_dispatchers_config_for_it():
     assert sorted(c.gate_tokens for c in split) == [32, 64, 128, 256, 512]
 
 
-@pytest.mark.parametrize("N,P,has_z,split", [(16, 64, True, True), (16, 64, False, False), (32, 64, False, False),
-                                             (64, 64, False, True), (64, 128, False, True), (128, 32, False, True)])
+@pytest.mark.parametrize("N,P,has_z,split", [(16, 64, True, True), (16, 64, False, True), (32, 64, False, True),
+                                             (64, 64, False, True), (64, 128, False, True), (128, 32, False, True),
+                                             (8, 16, False, True)])
 def test_dispatcher_output_stage(N, P, has_z, split):
-    """The split stage everywhere with Z; without Z the fused stage on N <= 32, P <= 64 (optimization.md 16, 23)."""
+    """The split stage everywhere, with Z or without (optimization.md 16, 23, 38); the fused one on request."""
     shape = dict(SHAPE, N=N, P=P)
     config = choose_config(**shape, has_z=has_z)
     assert config.split_gate is split
@@ -117,7 +118,7 @@ def test_dispatcher_chunk_scan_register_cap(N, P, has_z, cap):
 def test_dispatcher_swept_knobs(case, has_z, half_tables):
     """With the knobs the sweeps of 01845e8 chose (optimization.md 30): the bf16 rotation with chunk_scan's
     low-register order on the local-state shapes with bf16 products, except where the scan loads ahead (N64_P128);
-    never in the two-pass shapes (N256, N128_P128, N16 without Z) nor with fp32 tables; the D skip in the gate's
+    never in the two-pass shapes (N256, N128_P128) nor with fp32 tables; the D skip in the gate's
     math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
     where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34); the Gluon
     gate_grads wherever gate_grads runs at R = 4 or 8 (section 37).  Everything else
@@ -136,8 +137,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
                                  else plain.n_segments)
     assert dataclasses.replace(config, **{name: getattr(plain, name) for name in knobs}) == plain
     half = half_tables and config.local_states and not config.scan_prefetch
-    assert half is (half_tables and case not in ("N256_P64_R4_C8", "N128_P128_R4_C8", "N64_P128_R4_C16")
-                    and (has_z or case != "N16_P64_R4_C8"))
+    assert half is (half_tables and case not in ("N256_P64_R4_C8", "N128_P128_R4_C8", "N64_P128_R4_C16"))
     assert config.scan_half_rotation is config.out_half_rotation is half
     assert config.out_q_cast_early is config.out_y_state_early is half
     assert config.d_in_gate is (config.split_gate and parse_case(case)["P"] <= 64)
@@ -197,10 +197,10 @@ def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segmen
 @pytest.mark.parametrize("N,P,C,segments,warps", [(256, 64, 8, 2, 8), (128, 128, 8, 2, 4), (16, 64, 8, 4, 4)])
 def test_dispatcher_two_pass_segments_and_warps(N, P, C, segments, warps, has_z):
     """Two-pass scans: [2 x 64, 64] tiles at 8 warps, one program an SM; narrower tiles at 2 an SM (sweeps of
-    f57a6ee and 8ebfff3: N256 911 -> 829 us, N128_P128 882 -> 855, N16 without Z 260 -> 243); none loads ahead.
-    N16 takes two passes without Z only (its fused stage); with Z it takes local states."""
+    f57a6ee and 8ebfff3: N256 911 -> 829 us, N128_P128 882 -> 855); none loads ahead.  N16 took two passes with
+    the fused stage without Z; in the split stage it takes local states with Z or without (optimization.md 38)."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=4, chunk_size=C, num_sms=132, has_z=has_z)
-    if N == 16 and has_z:
+    if N == 16:
         assert config.local_states
         return
     assert not config.local_states and not config.scan_prefetch

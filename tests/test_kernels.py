@@ -537,9 +537,8 @@ def test_official_grid(check_kernel, impl, shape):
 @pytest.mark.gpu
 @requires_cuda
 def test_official_grid_without_z(check_kernel, shape):
-    """The official shapes without the gate, production only: the dispatcher routes them to other output
-    stages than with Z (chunk_scan applying the gate where the split stage runs, the fused stage on the
-    small shapes), so they get their own full-size check."""
+    """The official shapes without the gate, production only: the dispatcher routes them to another output
+    stage than with Z (chunk_scan applying the gate, no gate_grads pass), so they get their own full-size check."""
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=False, d=True, output_dtype=BF16,
                  ref_device="kernel", **parse_shape(shape))
 

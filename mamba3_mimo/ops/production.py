@@ -292,9 +292,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # kernel and config without Z): N16 255 -> 297, N32 239 -> 265, N64_P64 365 -> 380; P = 128 and N = 128
     # keep the split stage (N64_P128 610 -> 506, N128_P32 421 -> 318, N128_P64_R4_C16 407 -> 385).  With
     # chunk_scan at 128 registers N = 64 joins them (sweep of f51bf7f without Z, fused -> gate in chunk_scan:
-    # N64_P64_R4_C16 293 -> 281; N32 219 -> 219).
+    # N64_P64_R4_C16 293 -> 281; N32 219 -> 219).  With the bf16 rotation, chunk_scan's low-register order and its
+    # 128 cap the split stage (gate in chunk_scan, local states) took the last two as well (H100, 2c5662a,
+    # 2026-12-05_h100_sweep_2c5662a_noz_small_split.json, graph us, fused -> split): N16_P64_R4_C8 244 -> 225
+    # (chunk_scan 140 us against chunk_output 114, the scan 60 against two passes' 114), N32 218 -> 218.  So the
+    # split stage everywhere; the fused one stays for explicit configs (N < 16 without Z was never timed).
     if split_gate is None:
-        split_gate = has_z or N >= 64 or p_pow > 64
+        split_gate = True
     out_block_p = min(p_pow, 64)
     # 8 output warps only at N = 128 with P <= 64 (N128_P64_R4_C16 618 vs 689 us with 4); elsewhere 4:
     # sweep of 8ee521e (2026-12-03_h200_sweep_8ee521e.json, graph us, a since-reverted kernel variant):
