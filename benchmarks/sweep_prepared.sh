@@ -6,8 +6,9 @@
 # Parts 10-11 (section 33) check and time the warp-specialized Gluon scan; they go first among the untimed parts.
 # Part 12 (section 34) checks and times the Gluon chunk_scan probe; part 13 tests the prepared fp32 exp (both ran at
 # b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp (ran at 55078f1,
-# section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|15 bash benchmarks/sweep_prepared.sh
+# section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32;
+# part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|17 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -213,8 +214,16 @@ case "${PART:-1}" in
     # ~205-215 us (chunk_scan as with Z, ~112-126 us, the scan 60-65); N32 a tie (219 = 219 at f51bf7f).
     sweep noz_small_split NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="split_gate=0:1"
     ;;
+  17)
+    # The N <= 64 shapes with Z (section 38): the gate in chunk_scan again (at 176994b it lost, N16 320 -> 347 us:
+    # chunk_scan 163 -> 240 against gate_grads' 64; since then chunk_scan took the bf16 rotation and its low-register
+    # order, and without Z the same stage won N16 244 -> 225), predicted a loss of 0-10%; and chunk_scan at a
+    # 96-register cap (five programs an SM instead of four; statically 144 B of spill at N16 / N32, 104 at N64),
+    # predicted a tie or a loss (the 128 cap at N = 128 lost with 136-248 B of spill).
+    sweep small_z_stage CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" KNOBS="gate_in_scan=0:1,out_max_registers=96"
+    ;;
   *)
-    echo "PART must be 1 to 16" >&2
+    echo "PART must be 1 to 17" >&2
     exit 2
     ;;
 esac
