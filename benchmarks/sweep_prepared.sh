@@ -7,9 +7,8 @@
 # Part 12 (section 34) checks and times the Gluon chunk_scan probe; part 13 tests the prepared fp32 exp (both ran at
 # b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp (ran at 55078f1,
 # section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32;
-# part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 (section 38)
-# chunk_scan's early loads.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|18 bash benchmarks/sweep_prepared.sh
+# part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|17 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -223,19 +222,8 @@ case "${PART:-1}" in
     # predicted a tie or a loss (the 128 cap at N = 128 lost with 136-248 B of spill).
     sweep small_z_stage CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" KNOBS="gate_in_scan=0:1,out_max_registers=96"
     ;;
-  18)
-    # chunk_scan asking for its token weights (out_loads_early=1), and v and Psi too (2), before the rotation; the gate
-    # form also for its gate operands (out_gate_loads_early).  Predicted: at N <= 32, where level 1 adds no spill
-    # (N16 8 -> 0 B, N32 8 -> 8), chunk_scan -5 to -10% (one exposed global round trip of a ~7 us program), calls -2 to
-    # -4%; where it adds spill (N64 16 -> 40 B, N = 128 16 -> 136-144) a tie or a loss; level 2 and the gate's knob
-    # spill more (48-576 B) and likely lose.
-    sweep loads_early_z CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16 N128_P64_R4_C16 N128_P32_R4_C16 \
-      N128_P64_R8_C8 N128_P64_R2_C32" KNOBS="out_loads_early=1:2"
-    sweep loads_early_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" \
-      KNOBS="out_loads_early=1,out_loads_early=1+out_gate_loads_early=1"
-    ;;
   *)
-    echo "PART must be 1 to 18" >&2
+    echo "PART must be 1 to 17" >&2
     exit 2
     ;;
 esac

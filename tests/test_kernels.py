@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mamba3_mimo.api as api
-from conftest import HAS_CUDA, assert_knob_inert, requires_cuda, seed_for
+from conftest import HAS_CUDA, requires_cuda, seed_for
 from mamba3_mimo.accuracy import mere_mare
 from mamba3_mimo.inputs import make_inputs
 from mamba3_mimo.ops import production
@@ -325,41 +325,6 @@ def test_production_split_gate(check_kernel, case, dtype):
                         out_y_state_early="y" in case.get("reorder", ""))
     check_kernel("production", B=2, S=case["S"], H=2, G=case["G"], N=case["N"], P=case["P"], R=case["R"],
                  chunk_size=case["chunk_size"], dtype=dtype, z=case["z"], config=config)
-
-
-# chunk_scan asking for its token weights, v and Psi (out_loads_early) and the gate form for its gate operands
-# (out_gate_loads_early) before its products: raw_y stored with Z and the D skip over spans of two chunks (the span's
-# decay offsets) and two P tiles with local states; the gate in chunk_scan without Z with the D skip at the gate (GQA);
-# the gate in chunk_scan with Z at one rank, D after the products, two passes.
-LOADS_EARLY_CASES = [
-    dict(S=53, chunk_size=8, R=3, G=1, N=32, P=32, z=True, config=ScanConfig(
-        block_p=16, n_segments=3, out_block_p=16, local_states=True, split_gate=True, out_span_chunks=2,
-        end_span_chunks=2, d_in_gate=False)),
-    dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, z=False, config=ScanConfig(
-        block_p=16, n_segments=2, out_block_p=16, split_gate=True, gate_in_scan=True, d_in_gate=True)),
-    dict(S=40, chunk_size=16, R=1, G=1, N=64, P=32, z=True, config=ScanConfig(
-        block_p=16, n_segments=2, out_block_p=32, split_gate=True, gate_in_scan=True, d_in_gate=False)),
-]
-
-
-@pytest.mark.parametrize("case", LOADS_EARLY_CASES, ids=["raw_y-spans-local", "gate-noz-d_at_gate", "gate-z-r1"])
-def test_chunk_scan_loads_early(check_kernel, device, request, case):
-    """The early loads change when chunk_scan asks for its operands, not what it computes: against float64 with both
-    knobs on, and in the interpreter bit for bit equal to the calls without them (each level, and the gate's knob
-    alone)."""
-    sizes = {key: value for key, value in case.items() if key != "config"}
-    on = dataclasses.replace(case["config"], out_loads_early=2, out_gate_loads_early=True)
-    check_kernel("production", B=2, H=2, dtype=BF16, d=True, config=on, **sizes)
-    if device.type == "cpu":
-        inputs = make_inputs(B=1, H=2, dtype=BF16, d=True, device=device, seed=seed_for(request.node.nodeid),
-                             **sizes)
-        outputs = [api.bwd_fwd(**inputs, output_dtype=BF16, impl="production", config=dataclasses.replace(
-            case["config"], out_loads_early=level)) for level in (0, 1, 2)]
-        for early in outputs[1:]:
-            for plain_out, early_out in zip(outputs[0], early):
-                assert (plain_out is None) == (early_out is None)
-                assert plain_out is None or torch.equal(plain_out, early_out)
-        assert_knob_inert(inputs, case["config"], "out_gate_loads_early")
 
 
 # q's and k's bias add and rotation in the products' 16-bit dtype (scan_half_rotation, out_half_rotation).  fp16

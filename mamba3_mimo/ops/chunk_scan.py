@@ -60,17 +60,6 @@ def _rotated_tiles(x_ptr, bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, si
 
 
 @triton.jit
-def _span_token_weights(da_cs_seq_ptr, da_rev_seq_ptr, gamma_seq_ptr, trap_scale_seq_ptr, t_rows, t0, S,
-                        C: tl.constexpr, SPAN_CHUNKS: tl.constexpr):
-    """Per row (token, rank) of a span: its log decay from the span start, gamma and trap_scale (fp32)."""
-    da_rows, _, gamma_rows, ts_rows = load_token_weights(da_cs_seq_ptr, da_rev_seq_ptr, gamma_seq_ptr,
-                                                         trap_scale_seq_ptr, t_rows, S)
-    if SPAN_CHUNKS > 1:
-        da_rows += span_decay_offsets(da_cs_seq_ptr, t_rows, t0, S, C, SPAN_CHUNKS)[0]
-    return da_rows, gamma_rows, ts_rows
-
-
-@triton.jit
 def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
@@ -79,7 +68,7 @@ def _span_raw_y(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
-    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, LOADS_EARLY: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -87,8 +76,6 @@ def _span_raw_y(
     Q_CAST_EARLY narrows q~ to the dot dtype before k is loaded, Y_STATE_EARLY forms q~ @ state right after the
     scores: the same arithmetic in another order, for fewer live registers (ScanConfig.out_q_cast_early,
     out_y_state_early).  ROTATION_DTYPE: the dtype of q's and k's bias add and rotation (``rotation_math_dtype``).
-    LOADS_EARLY asks for the token weights (1), and v and Psi too (2), before the rotation instead of after the
-    scores (ScanConfig.out_loads_early).
     """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
@@ -128,15 +115,6 @@ def _span_raw_y(
     state_lo, state_hi = load_entering_state(
         states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
         half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
-    # In flight with q's and k's loads, not after the scores: a program is short, and a load issued after its
-    # products waits out a whole global-memory latency (sections 23, 38).
-    if LOADS_EARLY >= 1:
-        da_rows, gamma_rows, ts_rows = _span_token_weights(
-            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, t0, S, C,
-            SPAN_CHUNKS)
-    if LOADS_EARLY >= 2:
-        v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-        psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
 
     # q~ and k~: both rotate by their token's angles, each row adds its rank's bias; in ROTATION_DTYPE (fp32, or the
     # products' half dtype: two elements a register).
@@ -175,15 +153,14 @@ def _span_raw_y(
         qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
         tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
 
-    if LOADS_EARLY < 1:
-        da_rows, gamma_rows, ts_rows = _span_token_weights(
-            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, t0, S, C,
-            SPAN_CHUNKS)
+    da_rows, _, gamma_rows, ts_rows = load_token_weights(
+        da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
+    if SPAN_CHUNKS > 1:
+        da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
     weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows,
                                   PRECISE_EXP)
-    if LOADS_EARLY < 2:
-        v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-        psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+    v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
+    psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
     mixing = scores * weights
@@ -214,7 +191,7 @@ def _chunk_scan_kernel(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
-    SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, LOADS_EARLY: tl.constexpr = 0,
+    SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
@@ -227,7 +204,7 @@ def _chunk_scan_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, LOADS_EARLY)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -253,7 +230,7 @@ def _chunk_scan_gate_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
-    PRECISE_EXP: tl.constexpr = False, LOADS_EARLY: tl.constexpr = 0, GATE_LOADS_EARLY: tl.constexpr = False,
+    PRECISE_EXP: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
@@ -272,41 +249,25 @@ def _chunk_scan_gate_kernel(
     hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
     for step in tl.static_range(SPANS_PER_PROGRAM):
         span = first_span + step
-        if GATE_LOADS_EARLY:
-            # In flight with _span_raw_y's own loads rather than after its products (ScanConfig.out_loads_early).
-            offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-            p_mask = offs_p < P
-            t_tok = span * L + tok
-            tok_mask = (tok < L) & (t_tok < S)
-            d_psi, v_tok = _d_skip_operands(v_ptr + hp_seq, psi_ptr + h * R * P, d_ptr + h, t_tok, tok_mask, rank,
-                                            rank_mask, offs_p, p_mask, H, P, HAS_D and D_AT_GATE)
-            dout_tok = load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-            phi, z_tok, zeta = _gate_operands(z_ptr, phi_ptr, zeta_ptr, hp_seq, h, t_tok, tok_mask, rank, rank_mask,
-                                              offs_p, p_mask, H, R, P, HAS_Z)
         raw_y, _, _, _, offs_p, p_mask = _span_raw_y(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, LOADS_EARLY)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
         y = tl.reshape(raw_y, (BLOCK_L, BLOCK_R, BLOCK_P))
-        # Without the early loads each operand is loaded where it is first used, as before the knob.
         if HAS_D and D_AT_GATE:
-            if not GATE_LOADS_EARLY:
-                d_psi, v_tok = _d_skip_operands(v_ptr + hp_seq, psi_ptr + h * R * P, d_ptr + h, t_tok, tok_mask,
-                                                rank, rank_mask, offs_p, p_mask, H, P, True)
-            y += d_psi[None, :, :] * v_tok[:, None, :]
-        if not GATE_LOADS_EARLY:
-            dout_tok = load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-        y_dout = y * dout_tok[:, None, :]
-        if not GATE_LOADS_EARLY:
-            phi, z_tok, zeta = _gate_operands(z_ptr, phi_ptr, zeta_ptr, hp_seq, h, t_tok, tok_mask, rank, rank_mask,
-                                              offs_p, p_mask, H, R, P, HAS_Z)
+            d_psi = tl.load(d_ptr + h).to(tl.float32) * load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p,
+                                                                  p_mask)
+            y += d_psi[None, :, :] * load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        y_dout = y * load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        phi = load_rows(phi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
         if HAS_Z:
-            z = z_tok[:, None, :]
+            z = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+            zeta = load_rows(zeta_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
             gate, dgate = silu_and_grad(z * zeta[None, :, :], FAST_SIGMOID, PRECISE_SIGMOID)
             du_over_phi = y_dout * dgate  # dL/du without its Phi factor
             dphi = tl.sum(gate * y_dout, axis=0)
@@ -324,34 +285,6 @@ def _chunk_scan_gate_kernel(
             tl.store(dzeta_ptr + part, dzeta, mask=part_mask)
 
 
-@triton.jit
-def _d_skip_operands(v_seq_ptr, psi_head_ptr, d_head_ptr, t_tok, tok_mask, rank, rank_mask, offs_p, p_mask, H,
-                     P: tl.constexpr, D_AT_GATE: tl.constexpr):
-    """For the D skip at the gate: D Psi [ranks, cols] and v [tokens, cols] in fp32 (scalar stand-ins without)."""
-    if D_AT_GATE:
-        d_psi = tl.load(d_head_ptr).to(tl.float32) * load_rows(psi_head_ptr, rank * P, rank_mask, offs_p, p_mask)
-        v_tok = load_rows(v_seq_ptr, t_tok * (H * P), tok_mask, offs_p, p_mask)
-    else:
-        d_psi = 0.0
-        v_tok = 0.0
-    return d_psi, v_tok
-
-
-@triton.jit
-def _gate_operands(z_ptr, phi_ptr, zeta_ptr, hp_seq, h, t_tok, tok_mask, rank, rank_mask, offs_p, p_mask, H,
-                   R: tl.constexpr, P: tl.constexpr, HAS_Z: tl.constexpr):
-    """The gate's operands besides dout, of a span and P tile in fp32: Phi [ranks, cols], and with Z, z [tokens, cols]
-    and Zeta [ranks, cols] (scalar stand-ins without).  hp_seq: the (b, h) sequence's offset in z."""
-    phi = load_rows(phi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-    if HAS_Z:
-        z_tok = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
-        zeta = load_rows(zeta_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-    else:
-        z_tok = 0.0
-        zeta = 0.0
-    return phi, z_tok, zeta
-
-
 def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
     """Block sizes of the chunk scan: rows = a span's (token, rank) pairs, every tl.dot dimension >= 16."""
     block_r = next_power_of_2(R)
@@ -363,8 +296,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
-               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, loads_early=0,
-               gate_loads_early=False):
+               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -376,8 +308,6 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     in the gate's fp32 math rather than after the products.  ``q_cast_early`` and ``y_state_early`` reorder the
     products for fewer live registers (same arithmetic; see ``ScanConfig``).  ``rotation_math_dtype``: the dtype of
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
-    ``loads_early`` asks for the token weights (1), and v and Psi too (2), before the rotation, ``gate_loads_early``
-    (with ``dout``) for the gate's operands before raw_y: the same arithmetic, the loads in flight sooner.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -421,7 +351,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta, ADD_ENTRY=seg_entry is not None,
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
-        PRECISE_EXP=host_utils.precise_exp(dot_dtype, q), LOADS_EARLY=loads_early,
+        PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,
@@ -432,5 +362,5 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     dzeta = torch.empty_like(dphi) if has_z else None
     launch(_chunk_scan_gate_kernel, grid, *inputs, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
            dz if has_z else dout, dphi, dzeta if has_z else dphi, *sizes, n_spans, **constants,
-           HAS_Z=has_z, **host_utils.sigmoid_units(q), D_AT_GATE=d_in_gate, GATE_LOADS_EARLY=gate_loads_early)
+           HAS_Z=has_z, **host_utils.sigmoid_units(q), D_AT_GATE=d_in_gate)
     return dphi, dzeta

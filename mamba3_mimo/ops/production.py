@@ -148,11 +148,6 @@ class ScanConfig:
     128-register cap (96-208 B in the default order), which lets four chunk_scan programs share an SM instead
     of three (docs/optimization.md section 28); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets both with the half
     rotation below (section 30).
-    out_loads_early: ``chunk_scan`` (both forms) asks for its token weights (1), and v and Psi too (2), before the
-    rotation rather than after the scores, so that their latency overlaps q's and k's (a program is short: one
-    global-memory round trip is a large part of it at N <= 64); 0: after the scores.  out_gate_loads_early: the gate
-    form also asks for dout, z, Phi, Zeta (and v, D Psi for the D skip) before its raw_y.  Both cost registers held
-    across the products (docs/optimization.md section 38).
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -209,8 +204,6 @@ class ScanConfig:
     gate_num_warps: int = 4
     gluon_scan: bool = False
     gluon_gate: bool = False
-    out_loads_early: int = 0
-    out_gate_loads_early: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -229,8 +222,6 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.gate_tokens must be >= 1, got {self.gate_tokens}")
         if self.chunks_per_program < 1:
             raise ValueError(f"ScanConfig.chunks_per_program must be >= 1, got {self.chunks_per_program}")
-        if self.out_loads_early not in (0, 1, 2):
-            raise ValueError(f"ScanConfig.out_loads_early must be 0, 1 or 2, got {self.out_loads_early}")
         for name in ("num_warps", "out_num_warps", "gate_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ScanConfig.{name} must be a power of two <= 16, got {getattr(self, name)}")
@@ -542,12 +533,12 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
         entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
         q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
-        rotation_math_dtype=out_rotation, loads_early=config.out_loads_early)
+        rotation_math_dtype=out_rotation)
     d_in_gate = config.d_in_gate and d is not None
     if config.split_gate and config.gate_in_scan:
         dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                  max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program,
-                                 d_in_gate=d_in_gate, gate_loads_early=config.out_gate_loads_early)
+                                 d_in_gate=d_in_gate)
     elif config.split_gate:
         # dz sums raw_y over ranks, and where those terms cancel the scratch's rounding shows in full: a bf16 raw_y
         # (2^-9) tipped dz over the dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE
