@@ -52,6 +52,27 @@ def assert_knob_inert(inputs, base, knob):
             assert torch.equal(plain, with_knob)
 
 
+def spy_on_replays(monkeypatch, *, fresh=True):
+    """Count whole-call replays (``launch._CallRecord.run``) in the list returned; with ``fresh`` no call is recorded
+    yet, so the next one records.  The plan check is off: it runs the wrappers, which a replay skips."""
+    from mamba3_mimo.ops import launch as launch_module
+
+    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
+    if fresh:
+        monkeypatch.setattr(launch_module, "_calls", {})
+    replays = []
+    run = launch_module._CallRecord.run
+    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+    return replays
+
+
+def assert_replay_equals_jit(replayed, through_jit):
+    """A replayed call's outputs are written (no NaN of the poisoned outputs left) and bitwise the JIT call's."""
+    for a, b in zip(replayed, through_jit):
+        assert (a is None) == (b is None)
+        assert a is None or (not a.isnan().any() and torch.equal(a, b))
+
+
 def seed_for(*parts):
     """A deterministic seed that differs between tests (and between calls of one test)."""
     return zlib.crc32(repr(parts).encode())

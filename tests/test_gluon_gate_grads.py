@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_knob_inert
+from conftest import assert_knob_inert, assert_replay_equals_jit, spy_on_replays
 
 from mamba3_mimo import api
 from mamba3_mimo.inputs import make_inputs
@@ -168,13 +168,7 @@ def test_production_call_with_gluon_gate_replays(monkeypatch, poison_outputs):
     """The second call of a signature replays the whole call, the Gluon gate_grads with its descriptors (one over the
     call's raw_y scratch) rebuilt around the new tensors, into NaN-poisoned outputs; bitwise equal to the same call
     through Triton's JIT."""
-    from mamba3_mimo.ops import launch as launch_module
-
-    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
-    monkeypatch.setattr(launch_module, "_calls", {})  # the first call below records
-    replays = []
-    run = launch_module._CallRecord.run
-    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+    replays = spy_on_replays(monkeypatch)  # the first call below records
     calls = []
     real = gluon_gate_grads.gluon_gate_grads
     monkeypatch.setattr(gluon_gate_grads, "gluon_gate_grads", lambda **kw: (calls.append(1), real(**kw))[1])
@@ -194,6 +188,4 @@ def test_production_call_with_gluon_gate_replays(monkeypatch, poison_outputs):
     monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
     through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
     assert len(replays) == 1 and calls == [1, 1]
-    for a, b in zip(replayed, through_jit):
-        assert (a is None) == (b is None)
-        assert a is None or (not a.isnan().any() and torch.equal(a, b))
+    assert_replay_equals_jit(replayed, through_jit)

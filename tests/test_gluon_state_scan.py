@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_knob_inert
+from conftest import assert_knob_inert, assert_replay_equals_jit, spy_on_replays
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -192,13 +192,7 @@ def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, ca
     """The second call of a signature replays the whole call, the Gluon launches with their descriptors rebuilt
     around the new tensors (no host wrapper runs), into NaN-poisoned outputs; bitwise equal to the same call
     through Triton's JIT."""
-    from mamba3_mimo.ops import launch as launch_module
-
-    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
-    monkeypatch.setattr(launch_module, "_calls", {})  # the first call below records
-    replays = []
-    run = launch_module._CallRecord.run
-    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+    replays = spy_on_replays(monkeypatch)  # the first call below records
     calls = _spy_on_gluon_wrappers(monkeypatch)
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
     config = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
@@ -216,6 +210,4 @@ def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, ca
     monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
     through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
     assert len(replays) == 1 and len(calls) > recorded
-    for a, b in zip(replayed, through_jit):
-        assert (a is None) == (b is None)
-        assert a is None or (not a.isnan().any() and torch.equal(a, b))
+    assert_replay_equals_jit(replayed, through_jit)

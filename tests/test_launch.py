@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import requires_cuda, seed_for
+from conftest import assert_replay_equals_jit, requires_cuda, seed_for, spy_on_replays
 
 import mamba3_mimo.ops.launch as launch_module
 from mamba3_mimo.ops.token_tables import _token_tables_kernel, token_tables
@@ -240,13 +240,9 @@ def test_call_replay_matches_the_jit(name, monkeypatch, poison_outputs):
     from mamba3_mimo.inputs import make_inputs
     from mamba3_mimo.ops.production import ScanConfig
 
-    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
-    monkeypatch.setattr(launch_module, "_calls", {})  # the first call below records
+    replays = spy_on_replays(monkeypatch)  # the first call below records
     shape, fields = REPLAY_CASES[name]
     config = None if fields is None else ScanConfig(**fields)
-    replays = []
-    run = launch_module._CallRecord.run
-    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
 
     def call(seed):
         inputs = make_inputs(B=2, S=200, H=4, G=2, dtype=torch.bfloat16, device="cuda",
@@ -259,9 +255,7 @@ def test_call_replay_matches_the_jit(name, monkeypatch, poison_outputs):
     monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
     through_jit = bwd_fwd(**inputs, output_dtype=torch.float32, config=config)
     assert len(replays) == 1
-    for a, b in zip(replayed, through_jit):
-        assert (a is None) == (b is None)
-        assert a is None or (not a.isnan().any() and torch.equal(a, b))
+    assert_replay_equals_jit(replayed, through_jit)
 
 
 @requires_cuda
@@ -271,10 +265,7 @@ def test_call_with_a_torch_copy_is_not_replayed(monkeypatch):
     from mamba3_mimo.api import bwd_fwd
     from mamba3_mimo.inputs import make_inputs
 
-    monkeypatch.delenv("MAMBA3_MIMO_CHECK_PLAN", raising=False)
-    replays = []
-    run = launch_module._CallRecord.run
-    monkeypatch.setattr(launch_module._CallRecord, "run", lambda self, roots: (replays.append(1), run(self, roots)))
+    replays = spy_on_replays(monkeypatch, fresh=False)
     inputs = make_inputs(B=1, S=64, H=2, N=32, P=32, R=2, chunk_size=16, dtype=torch.float32, device="cuda",
                          seed=seed_for("replay_handoff"))
     first = bwd_fwd(**inputs, output_dtype=torch.bfloat16)
