@@ -7,8 +7,9 @@
 # Part 12 (section 34) checks and times the Gluon chunk_scan probe; part 13 tests the prepared fp32 exp (both ran at
 # b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp (ran at 55078f1,
 # section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32;
-# part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|17 bash benchmarks/sweep_prepared.sh
+# part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
+# gate_grads at P = 128 on the H200 (run it on an H200 only).
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|18 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -222,8 +223,14 @@ case "${PART:-1}" in
     # predicted a tie or a loss (the 128 cap at N = 128 lost with 136-248 B of spill).
     sweep small_z_stage CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" KNOBS="gate_in_scan=0:1,out_max_registers=96"
     ;;
+  18)
+    # The Gluon gate_grads at P = 128 on the H200 (section 38): in the official files N64_P128 went 424 -> 431 us graph
+    # and N128_P128 683 -> 693 when it came on, where an H100 had them at -0.9% / -2.7% and every P <= 64 shape moved
+    # -0.4 to -3.7% on the H200.  Drift between sessions is of that size: both in one run, on the H200 only.
+    sweep gluon_gate_p128 CASES="N64_P128_R4_C16 N128_P128_R4_C8" KNOBS="gluon_gate=0:1"
+    ;;
   *)
-    echo "PART must be 1 to 17" >&2
+    echo "PART must be 1 to 18" >&2
     exit 2
     ;;
 esac
