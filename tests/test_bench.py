@@ -123,7 +123,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     never in the two-pass shapes (N256, N128_P128) nor with fp32 tables; the D skip in the gate's
     math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
     where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34); the Gluon
-    gate_grads wherever gate_grads runs at R = 4 or 8 (section 37).  Everything else
+    gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39).  Everything else
     as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
@@ -144,10 +144,11 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.out_q_cast_early is config.out_y_state_early is half
     assert config.d_in_gate is (config.split_gate and parse_case(case)["P"] <= 64)
     assert config.gluon_scan  # production runs it where gluon_state_scan.unsupported finds nothing against the call
-    # The Gluon gate_grads wherever gate_grads runs at R = 4 or 8 (section 37); R = 2 (a tie) keeps the Triton kernel.
-    R = parse_case(case)["R"]
-    assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8))
-    assert config.gluon_gate is (has_z and R in (4, 8))
+    # The Gluon gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); R = 2 (a tie) and
+    # P = 128 (a loss on the H200) keep the Triton kernel.
+    R, P = parse_case(case)["R"], parse_case(case)["P"]
+    assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8) and P <= 64)
+    assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64)
     if config.split_gate:
         want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]
         assert config.out_max_registers == want_cap

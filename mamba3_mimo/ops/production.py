@@ -403,7 +403,10 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # CUDA-graph replays of gate_grads alone (Triton -> Gluon us): P = 64, R = 4 70.5 -> 65.0; N64_P128 135.8 -> 111.4;
     # N128_P32 40.4 -> 37.6; R8_C8 122.5 -> 98.8 (two ranks a thread); R2_C32 46.7 -> 47.3, a tie, left to Triton.  In
     # whole calls (profiler, gluon_gate off -> on): N16 72 -> 66, N128_P64_R4_C16 71 -> 68, N64_P128 114 -> 102.
-    gluon_gate = bool(swept and split_gate and not gate_in_scan and R in (4, 8))
+    # Not at P = 128: on the H200 (6c2c07a, sweep_prepared.sh part 18, graph us, Triton -> Gluon) N64_P128 423 -> 432
+    # (gate_grads 101 -> 108) and N128_P128 683 -> 691 (99 -> 107), where the H100 had them 1-3% faster; the H200's
+    # bandwidth serves the Triton kernel's loads, and the Gluon one is held by its issue rate (section 39).
+    gluon_gate = bool(swept and split_gate and not gate_in_scan and R in (4, 8) and p_pow <= 64)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
