@@ -8,8 +8,9 @@
 # b1e0668, section 35); part 14 tests fp32 after the precise sigmoid, with and without that exp (ran at 55078f1,
 # section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32;
 # part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
-# gate_grads at P = 128 on the H200 (run it on an H200 only).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|18 bash benchmarks/sweep_prepared.sh
+# gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
+# shapes' Gluon scan in one segment.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|19 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -229,8 +230,17 @@ case "${PART:-1}" in
     # -0.4 to -3.7% on the H200.  Drift between sessions is of that size: both in one run, on the H200 only.
     sweep gluon_gate_p128 CASES="N64_P128_R4_C16 N128_P128_R4_C8" KNOBS="gluon_gate=0:1"
     ;;
+  19)
+    # The two-pass shapes' Gluon scan in one segment (section 39): the end-state pass (96 us, 128 programs: half the
+    # SMs) goes, and 128 storing programs walk all 256 chunks.  The storing pass moved with the memory (H100 251 us,
+    # H200 189: 537 MB of states at 2.8 TB/s) and the end pass did not (95 on both), so one program an SM should
+    # store at about the end pass's step rate: predicted scan 285 -> ~190-200 us on the H200.  A 32-wide P tile
+    # gives two programs an SM again (k's rotation done twice).
+    sweep two_pass_segments CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="n_segments=1:2,n_segments=1+block_p=32"
+    sweep two_pass_segments_noz NOZ=1 CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="n_segments=1:2"
+    ;;
   *)
-    echo "PART must be 1 to 18" >&2
+    echo "PART must be 1 to 19" >&2
     exit 2
     ;;
 esac

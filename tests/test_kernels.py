@@ -558,6 +558,24 @@ def test_official_grid_fused_output(check_kernel, shape):
                  ref_device="kernel", config=fused, **sizes)
 
 
+@pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
+@pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(n_segments=2), dict(n_segments=1, block_p=32)],
+                         ids=["one-segment", "two-segments", "one-segment-p32"])
+@pytest.mark.gpu
+@requires_cuda
+def test_official_two_pass_scan_segments(check_kernel, shape, knobs):
+    """The two-pass shapes with their state scan in one segment (no end-state pass: each program walks every chunk)
+    or two, and in one segment with 32-wide P tiles: the counts the dispatcher chose between (section 39)."""
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           **sizes)
+    assert not chosen.local_states  # the two-pass schedule, where n_segments sets the end-state pass
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=dataclasses.replace(chosen, **knobs), **sizes)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_chunk_scan_refuses_the_miscompiled_tile(device):
