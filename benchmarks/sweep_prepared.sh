@@ -238,6 +238,8 @@ case "${PART:-1}" in
     # gives two programs an SM again (k's rotation done twice).
     sweep two_pass_segments CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="n_segments=1:2,n_segments=1+block_p=32"
     sweep two_pass_segments_noz NOZ=1 CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="n_segments=1:2"
+    # The flat token tables (section 27), never timed: predicted token_tables 14 -> ~10 us at N = 128, 7 -> ~4 at N16.
+    sweep flat_tables CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" KNOBS="flat_tables=0:1"
     ;;
   *)
     echo "PART must be 1 to 19" >&2
