@@ -161,6 +161,34 @@ def test_gluon_scan_knob_is_inert_where_the_kernel_does_not_apply(device, monkey
     assert calls == []
 
 
+def test_gluon_segments_is_inert_where_the_kernel_does_not_apply(device, monkeypatch):
+    """``gluon_segments`` (the Gluon two-pass scan's segment count) leaves the Triton scans at ``n_segments``: off
+    Hopper and on shapes the kernel does not cover, one Gluon segment against three gives the same outputs bit for
+    bit, and no Gluon call."""
+    from mamba3_mimo.ops import production
+
+    calls = _spy_on_gluon_wrappers(monkeypatch)
+    # The segment count each Triton scan launch was given (after the plan check's run of the wrappers, too).
+    segments = []
+    for name in ("segment_end_states", "chunk_states"):
+        wrapped = getattr(production, name)
+        monkeypatch.setattr(production, name, lambda *a, _wrapped=wrapped, **kw: (segments.append(kw["n_segments"]),
+                                                                                  _wrapped(*a, **kw))[1])
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")  # every call through the wrappers (no whole-call replay)
+    inputs = make_inputs(B=1, S=128, H=2, G=1, N=32, P=32, R=2, chunk_size=8, dtype=torch.bfloat16, seed=5,
+                         device=device)
+    base = dataclasses.replace(choose_config(B=1, H=2, S=128, N=32, P=32, R=2, chunk_size=8, num_sms=4),
+                               local_states=False, n_segments=3, gluon_scan=True)
+    outputs = [api.bwd_fwd(**inputs, output_dtype=torch.float32, impl="production",
+                           config=dataclasses.replace(base, gluon_segments=segments)) for segments in (0, 1)]
+    for plain, with_knob in zip(*outputs):
+        assert (plain is None) == (with_knob is None)
+        if plain is not None:
+            assert torch.equal(plain, with_knob)
+    assert calls == []
+    assert segments and min(segments) > 1  # three asked for; whole spans of chunks make it two here
+
+
 # Official-grid-like shapes the kernel covers, at test size: local states over two P tiles and two head groups at
 # N = 128 and at N = 64 (the halves stacked); N = 64 at R = 2 in two passes; N = 128 in two passes over two P tiles
 # and two head groups; N = 256 (two N/2 tiles) in two passes at C = 8.
@@ -184,6 +212,26 @@ def test_production_with_gluon_scan_matches_the_reference(check_kernel, monkeypa
     check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config,
                  dA_scale=0.1, **shape)
     assert calls, "the Gluon scan did not run"
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", [case for case in GLUON_PRODUCTION_CASES if not case["local_states"]],
+                         ids=lambda c: f"N{c['N']}-P{c['P']}")
+def test_gluon_two_pass_scan_in_one_segment(check_kernel, monkeypatch, case):
+    """``gluon_segments = 1`` on the two-pass shapes: no end-state launch, one storing launch over every chunk,
+    where ``n_segments`` (3) would take two launches."""
+    calls = _spy_on_gluon_wrappers(monkeypatch)
+    launched = []
+    scan_launch = gluon_state_scan._launch
+    monkeypatch.setattr(gluon_state_scan, "_launch",
+                        lambda **kw: (launched.append((kw["role"], kw["segments_launched"])), scan_launch(**kw)))
+    shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
+    config = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
+                                 local_states=False, block_p=64, gluon_segments=1)
+    check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config,
+                 dA_scale=0.1, **shape)
+    assert "gluon_chunk_states" in calls
+    assert launched == [("store", 1)]
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")

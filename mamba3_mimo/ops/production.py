@@ -171,6 +171,10 @@ class ScanConfig:
     a ring of shared-memory stages, ranks and columns across a warp's lanes) where it applies
     (``gluon_gate_grads.unsupported``: a Hopper GPU, the fp16 raw_y scratch, 16-bit activations, R a power of two up
     to 8, ...), else the Triton kernel (docs/optimization.md section 37).
+    gluon_segments: the two-pass schedule's segment count where the Gluon scan runs it (0: n_segments).  Its storing
+    pass is held by the memory, so one program an SM walking every chunk stores as fast as two an SM, and one segment
+    needs no end-state pass; the Triton scans, which need programs in flight to hide their loads, keep n_segments
+    (docs/optimization.md section 39).
     """
 
     block_p: int
@@ -204,12 +208,15 @@ class ScanConfig:
     gate_num_warps: int = 4
     gluon_scan: bool = False
     gluon_gate: bool = False
+    gluon_segments: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
+        if self.gluon_segments < 0:
+            raise ValueError(f"ScanConfig.gluon_segments must be >= 0, got {self.gluon_segments}")
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -485,16 +492,10 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         # rotates in fp32 the tables keep their precision for it.
         rotation_dtype = torch.bfloat16 if out_rotation == tl.bfloat16 else torch.float16
     nch = cdiv(S, chunk_size)
-    # Segments hold whole steps of both scans.
-    span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
-    chunks_per_segment = cdiv(cdiv(nch, config.n_segments), span) * span
-    n_segments = cdiv(nch, chunks_per_segment)
-    local = config.local_states and n_segments > 1
     gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles,
                                                              rotation_dtype=rotation_dtype, flat=config.flat_tables)
     scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
                 da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
-                n_segments=n_segments, chunks_per_segment=chunks_per_segment,
                 block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
                 prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
@@ -511,6 +512,15 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
 
         if gluon_state_scan.unsupported(**scan, states=handoff) is None:
             gluon = gluon_state_scan
+    wanted_segments = config.n_segments
+    if gluon and not config.local_states and config.gluon_segments:
+        wanted_segments = config.gluon_segments
+    # Segments hold whole steps of both scans.
+    span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
+    chunks_per_segment = cdiv(cdiv(nch, wanted_segments), span) * span
+    n_segments = cdiv(nch, chunks_per_segment)
+    scan.update(n_segments=n_segments, chunks_per_segment=chunks_per_segment)
+    local = config.local_states and n_segments > 1
     seg_entry = entry_decay = None
     if local:
         if gluon:
