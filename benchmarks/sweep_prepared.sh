@@ -238,6 +238,11 @@ case "${PART:-1}" in
     # gives two programs an SM again (k's rotation done twice).
     sweep two_pass_segments CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="n_segments=1:2,n_segments=1+block_p=32"
     sweep two_pass_segments_noz NOZ=1 CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="n_segments=1:2"
+    # The local-state N = 128 shapes in two passes with the Gluon scan in one segment: no fix-up in chunk_scan, no
+    # segment_entry (-30 to -40 us at N128_P64_R4_C16, section 24), but 64 or 128 scan programs (P tiles of 64 / 32)
+    # walking all 128 chunks against 256 walking 32 (predicted: a tie or a loss at a 64 tile, unknown at 32).
+    sweep local_to_two_pass CASES="N128_P64_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32" \
+      KNOBS="local_states=0+gluon_segments=1+block_p=32:64"
     # The flat token tables (section 27), never timed: predicted token_tables 14 -> ~10 us at N = 128, 7 -> ~4 at N16.
     sweep flat_tables CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" KNOBS="flat_tables=0:1"
     ;;
