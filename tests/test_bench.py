@@ -123,8 +123,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     never in the two-pass shapes (N256, N128_P128) nor with fp32 tables; the D skip in the gate's
     math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
     where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34); the Gluon
-    gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39).  Everything else
-    as without them; the defaults take them."""
+    gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); the two-pass shapes' Gluon scan
+    in one segment (section 39).  Everything else as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
@@ -132,7 +132,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
-             "gluon_scan", "gluon_gate", "out_max_registers", "n_segments")
+             "gluon_scan", "gluon_gate", "gluon_segments", "out_max_registers", "n_segments")
     assert not any(getattr(plain, name) for name in knobs[:-2])
     gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
     assert config.n_segments == (2 * 132 // gluon_programs if parse_case(case)["N"] == 64 and config.local_states
@@ -149,6 +149,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     R, P = parse_case(case)["R"], parse_case(case)["P"]
     assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8) and P <= 64)
     assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64)
+    # The two-pass shapes' Gluon scan in one segment (section 39); n_segments stays for the Triton scans.
+    assert config.gluon_segments == (0 if config.local_states else 1)
+    assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))
     if config.split_gate:
         want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]
         assert config.out_max_registers == want_cap
