@@ -236,9 +236,12 @@ case "${PART:-1}" in
     # H200 189: 537 MB of states at 2.8 TB/s) and the end pass did not (95 on both), so one program an SM should
     # store at about the end pass's step rate: predicted scan 285 -> ~190-200 us on the H200.  A 32-wide P tile
     # gives two programs an SM again (k's rotation done twice).
-    # The dispatcher gives it one segment (gluon_segments = 1); gluon_segments=0 is the two segments of before.
-    sweep two_pass_segments CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="gluon_segments=0,block_p=32"
-    sweep two_pass_segments_noz NOZ=1 CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="gluon_segments=0"
+    # The dispatcher's two segments against gluon_segments = 1, and that with a 32-wide P tile.  First the GPU tests of
+    # the one-segment path (the Gluon two-pass test, the official two-pass shapes at 1 / 2 segments and P tile 32).
+    timeout 170 python3 -m pytest -q -p no:warnings -rf tests/test_gluon_state_scan.py tests/test_kernels.py \
+      -k "two_pass_scan_segments or gluon_two_pass_scan_in_one_segment or test_production_with_gluon_scan" 2>&1 | tail -n 6
+    sweep two_pass_segments CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="gluon_segments=1,gluon_segments=1+block_p=32"
+    sweep two_pass_segments_noz NOZ=1 CASES="N256_P64_R4_C8 N128_P128_R4_C8" KNOBS="gluon_segments=1"
     # The local-state N = 128 shapes in two passes with the Gluon scan in one segment: no fix-up in chunk_scan, no
     # segment_entry (-30 to -40 us at N128_P64_R4_C16, section 24), but 64 or 128 scan programs (P tiles of 64 / 32)
     # walking all 128 chunks against 256 walking 32 (predicted: a tie or a loss at a 64 tile, unknown at 32).

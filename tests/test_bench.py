@@ -123,8 +123,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     never in the two-pass shapes (N256, N128_P128) nor with fp32 tables; the D skip in the gate's
     math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
     where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34); the Gluon
-    gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); the two-pass shapes' Gluon scan
-    in one segment (section 39).  Everything else as without them; the defaults take them."""
+    gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39).  Everything else as without
+    them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
@@ -149,8 +149,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     R, P = parse_case(case)["R"], parse_case(case)["P"]
     assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8) and P <= 64)
     assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64)
-    # The two-pass shapes' Gluon scan in one segment (section 39); n_segments stays for the Triton scans.
-    assert config.gluon_segments == (0 if config.local_states else 1)
+    # The Gluon two-pass scan's own segment count waits for a GPU sweep (section 39): n_segments everywhere.
+    assert config.gluon_segments == 0
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))
     if config.split_gate:
         want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]

@@ -559,13 +559,14 @@ def test_official_grid_fused_output(check_kernel, shape):
 
 
 @pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
-@pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(n_segments=2), dict(n_segments=1, block_p=32)],
-                         ids=["one-segment", "two-segments", "one-segment-p32"])
+@pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(gluon_segments=1), dict(gluon_segments=1, block_p=32)],
+                         ids=["one-segment", "one-gluon-segment", "one-gluon-segment-p32"])
 @pytest.mark.gpu
 @requires_cuda
 def test_official_two_pass_scan_segments(check_kernel, shape, knobs):
-    """The two-pass shapes with their state scan in one segment (no end-state pass: each program walks every chunk)
-    or two, and in one segment with 32-wide P tiles: the counts the dispatcher chose between (section 39)."""
+    """The two-pass shapes with their state scan in one segment (no end-state pass: each program walks every chunk),
+    for every scan or for the Gluon one (``gluon_segments``), and with 32-wide P tiles: the candidates of
+    sweep_prepared.sh part 19 against the dispatcher's two segments (section 39)."""
     from mamba3_mimo.ops.production import choose_config
 
     sizes = parse_shape(shape)

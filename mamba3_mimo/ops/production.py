@@ -414,10 +414,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # (gate_grads 101 -> 108) and N128_P128 683 -> 691 (99 -> 107), where the H100 had them 1-3% faster; the H200's
     # bandwidth serves the Triton kernel's loads, and the Gluon one is held by its issue rate (section 39).
     gluon_gate = bool(swept and split_gate and not gate_in_scan and R in (4, 8) and p_pow <= 64)
-    # The two-pass shapes' Gluon scan in one segment: its storing pass is held by the memory (H100 251 us, H200 189 at
-    # N128_P128: 537 MB of states at ~2.8 TB/s) and its end-state pass is not (95 us on both, on half the SMs), so one
-    # program an SM walking every chunk should store as fast with no end pass (section 39).
-    gluon_segments = 1 if swept and not local_states else 0
+    # gluon_segments stays 0 (the Gluon scan at n_segments) until sweep_prepared.sh part 19 has timed one segment on
+    # the two-pass shapes (section 39: predicted N256 / N128_P128 -90 us, the end-state pass gone).
+    gluon_segments = 0
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
