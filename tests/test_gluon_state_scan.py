@@ -231,7 +231,7 @@ def test_gluon_two_pass_scan_in_one_segment(check_kernel, monkeypatch, case):
     check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config,
                  dA_scale=0.1, **shape)
     assert "gluon_chunk_states" in calls
-    assert launched == [("store", 1)]
+    assert launched and set(launched) == {("store", 1)}  # every call (the plan check runs the wrappers too)
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
