@@ -9,8 +9,8 @@
 # section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32;
 # part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
 # gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
-# shapes' Gluon scan in one segment.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|19 bash benchmarks/sweep_prepared.sh
+# shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|20 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -250,8 +250,13 @@ case "${PART:-1}" in
     # The flat token tables (section 27), never timed: predicted token_tables 14 -> ~10 us at N = 128, 7 -> ~4 at N16.
     sweep flat_tables CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" KNOBS="flat_tables=0:1"
     ;;
+  20)
+    # Where today's chunk_scan waits (section 39: 32-46% of its issue ceiling, not moved by bandwidth): Nsight Compute
+    # at N16 and N128_P128, the warp stall reasons and the per-SASS source counters (~2 minutes a kernel).
+    CASES="N16_P64_R4_C8 N128_P128_R4_C8" KERNELS="_chunk_scan_kernel" OUT="$OUT/ncu" bash benchmarks/ncu_profile.sh
+    ;;
   *)
-    echo "PART must be 1 to 19" >&2
+    echo "PART must be 1 to 20" >&2
     exit 2
     ;;
 esac
