@@ -41,11 +41,11 @@ def to_device(inputs, device):
     return {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in inputs.items()}
 
 
-def assert_knob_inert(inputs, base, knob):
-    """Production calls on ``inputs`` with ``base`` and with its switch ``knob`` on give the same outputs bit for bit
-    (a knob that routes to a kernel where it applies, checked where it does not)."""
-    outputs = [api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production",
-                           config=dataclasses.replace(base, **{knob: on})) for on in (False, True)]
+def assert_knob_inert(inputs, base, knob, values=(False, True), output_dtype=torch.bfloat16):
+    """Production calls on ``inputs`` with ``base`` and ``knob`` at each of ``values`` (a switch off and on) give the
+    same outputs bit for bit (a knob that routes to a kernel where it applies, checked where it does not)."""
+    outputs = [api.bwd_fwd(**inputs, output_dtype=output_dtype, impl="production",
+                           config=dataclasses.replace(base, **{knob: value})) for value in values]
     for plain, with_knob in zip(*outputs):
         assert (plain is None) == (with_knob is None)
         if plain is not None:

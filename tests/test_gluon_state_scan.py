@@ -179,12 +179,8 @@ def test_gluon_segments_is_inert_where_the_kernel_does_not_apply(device, monkeyp
                          device=device)
     base = dataclasses.replace(choose_config(B=1, H=2, S=128, N=32, P=32, R=2, chunk_size=8, num_sms=4),
                                local_states=False, n_segments=3, gluon_scan=True)
-    outputs = [api.bwd_fwd(**inputs, output_dtype=torch.float32, impl="production",
-                           config=dataclasses.replace(base, gluon_segments=segments)) for segments in (0, 1)]
-    for plain, with_knob in zip(*outputs):
-        assert (plain is None) == (with_knob is None)
-        if plain is not None:
-            assert torch.equal(plain, with_knob)
+    # fp32 outputs: in bf16 the Triton scans at one segment and at two round to the same bits.
+    assert_knob_inert(inputs, base, "gluon_segments", values=(0, 1), output_dtype=torch.float32)
     assert calls == []
     assert segments and min(segments) > 1  # three asked for; whole spans of chunks make it two here
 
