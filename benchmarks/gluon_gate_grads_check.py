@@ -138,10 +138,10 @@ def main():
             json.dump(dict(gpu=torch.cuda.get_device_name(), records=records), f, indent=1)
 
 
-def compile_for_sm90(case, config, num_buffers=None, tokens_per_thread=None, ranks_per_thread=None):
+def compile_for_sm90(case, config, num_buffers=None, tokens_per_thread=None, ranks_per_thread=None, gdc=False):
     """The kernel compiled for sm_90 on an official shape (Z and D on), no GPU needed, specialized as Triton's
     launcher would the real call (integer divisibility, pointer alignment): registers, spill, shared; and the
-    compiled kernel under ``"kernel"``."""
+    compiled kernel under ``"kernel"``.  ``gdc``: as launched under ``launch.dependent_launches``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -169,7 +169,8 @@ def compile_for_sm90(case, config, num_buffers=None, tokens_per_thread=None, ran
     args = [y_desc, act_desc, act_desc, act_desc, f32, f32, f32, f32, f32, base[torch.bfloat16], f32, f32,
             S, H, cdiv(S, tokens), P // block_p, tokens, cdiv(P, config.out_block_p), config.out_block_p]
     kwargs = dict(R=R, P=P, BLOCK_T=block_t, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
-                  RANKS_PER_THREAD=ranks_per_thread, HAS_Z=True, HAS_D=True, num_warps=gluon_gate_grads.NUM_WARPS)
+                  RANKS_PER_THREAD=ranks_per_thread, HAS_Z=True, HAS_D=True, num_warps=gluon_gate_grads.NUM_WARPS,
+                  **(dict(GDC=True, launch_pdl=True) if gdc else {}))
     kernel = gluon_gate_grads._gluon_gate_grads_kernel
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)

@@ -48,9 +48,9 @@ from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
-def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32):
+def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
-    needed."""
+    needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -75,11 +75,12 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     store_states, fold_earlier, store_end = ROLES[role]
     constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
                      STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-                     BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4)
+                     BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, GDC=gdc)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=128))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=128,
+                                                                                   launch_pdl=gdc))
 
 
 class _Shaped:

@@ -241,6 +241,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gluon_scan=[False, True],
         gluon_gate=[False, True],
         gluon_segments=[0, 1, 2],
+        pdl=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -151,6 +151,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64)
     # The Gluon two-pass scan's own segment count waits for a GPU sweep (section 39): n_segments everywhere.
     assert config.gluon_segments == 0
+    # Programmatic dependent launch waits for a GPU sweep too (section 40).
+    assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))
     if config.split_gate:
         want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]

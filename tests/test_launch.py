@@ -31,12 +31,55 @@ def test_trailing_args_take_kwargs_then_defaults():
     trailing = launch_module._trailing_args(_token_tables_kernel, n_positional,
                                             dict(BLOCK_T=256, BLOCK_RD=16, ANGLE_ROWS=32, FAST_TRIG=False,
                                                  num_warps=4))
-    assert trailing == (256, 16, 32, False)
+    assert trailing == (256, 16, 32, False, False)  # GDC from its default
     with pytest.raises(TypeError, match="ANGLE_ROWS was not given"):
         launch_module._trailing_args(_token_tables_kernel, n_positional, dict(BLOCK_T=256, BLOCK_RD=16))
     with pytest.raises(TypeError, match="pass tensor BLOCK_T positionally"):
         launch_module._trailing_args(_token_tables_kernel, n_positional,
                                      dict(BLOCK_T=torch.zeros(1), BLOCK_RD=16, ANGLE_ROWS=32, FAST_TRIG=False))
+
+
+def test_dependent_launches_mark_the_kernels_that_wait(monkeypatch):
+    """Inside ``dependent_launches`` a kernel that declares GDC gets its wait compiled in and the PDL launch option;
+    a kernel without the parameter launches as usual, and so does everything outside the block or with it off."""
+    from mamba3_mimo.ops.stage0 import _rotary_kernel
+
+    seen = []
+    for kernel in (_token_tables_kernel, _rotary_kernel):
+        monkeypatch.setattr(kernel, "run", lambda *args, grid, warmup, _name=kernel.fn.__name__, **kwargs:
+                            seen.append((_name, kwargs)))
+    x = torch.zeros(4)
+    with launch_module.dependent_launches():
+        launch_module.launch(_token_tables_kernel, (1,), x, FAST_TRIG=False)
+        launch_module.launch(_rotary_kernel, (1,), x, BLOCK_ROWS=16)
+    with launch_module.dependent_launches(False):
+        launch_module.launch(_token_tables_kernel, (1,), x, FAST_TRIG=False)
+    launch_module.launch(_token_tables_kernel, (1,), x, FAST_TRIG=False)
+    assert seen == [("_token_tables_kernel", dict(FAST_TRIG=False, GDC=True, launch_pdl=True)),
+                    ("_rotary_kernel", dict(BLOCK_ROWS=16)),
+                    ("_token_tables_kernel", dict(FAST_TRIG=False)),
+                    ("_token_tables_kernel", dict(FAST_TRIG=False))]
+
+
+def test_pdl_is_inert_off_the_gpu(monkeypatch):
+    """``ScanConfig.pdl`` needs a CUDA device of compute capability 9.0 or later: under the interpreter no launch
+    asks for it (the wait is inline PTX) and the outputs are bit for bit those without it."""
+    from conftest import assert_knob_inert
+
+    from mamba3_mimo.inputs import make_inputs
+    from mamba3_mimo.ops.production import choose_config
+
+    if torch.cuda.is_available():
+        pytest.skip("the knob is live on a GPU: test_official_pdl_changes_no_output checks it there")
+    options = []
+    kernel_type = type(_token_tables_kernel)  # JITFunction, or the interpreter's stand-in for it
+    run = kernel_type.run
+    monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (
+        options.append((kwargs.get("GDC", False), kwargs.get("launch_pdl", False))), run(self, *args, **kwargs))[1])
+    inputs = make_inputs(B=1, S=48, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=torch.float32, seed=11)
+    base = choose_config(B=1, H=2, S=48, N=32, P=32, R=2, chunk_size=16, num_sms=4)
+    assert_knob_inert(inputs, base, "pdl", output_dtype=torch.float32)
+    assert len(options) >= 8 and set(options) == {(False, False)}  # both calls' launches, none of them dependent
 
 
 def _tables_inputs(gen, B, H, S, RD, device, offset=0):

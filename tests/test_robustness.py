@@ -5,6 +5,7 @@ The edge-input tests run everywhere (the CPU through the Triton interpreter); th
 and is skipped with a reason without it.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -118,13 +119,16 @@ def test_other_cuda_device(impl):
 
 # --- CUDA graphs and determinism ------------------------------------------------------------------
 
-# (impl, config): the default dispatch, and an explicit P split with 3 sequence segments.
+GRAPH_SHAPE = dict(B=2, S=520, H=4, G=2, N=32, P=64, R=2, chunk_size=16)  # 33 chunks, a partial last one
+# (impl, config): the default dispatch, an explicit P split with 3 sequence segments, and the dispatcher's config with
+# programmatic dependent launch (captured into the graph as programmatic edges).
 GRAPH_VARIANTS = {
     "production": ("production", None),
     "production_segments": ("production", ScanConfig(block_p=16, n_segments=3)),
+    "production_pdl": ("production", dataclasses.replace(
+        choose_config(B=2, H=4, S=520, N=32, P=64, R=2, chunk_size=16, num_sms=132), pdl=True)),
     "stage0": ("stage0", None),
 }
-GRAPH_SHAPE = dict(B=2, S=520, H=4, G=2, N=32, P=64, R=2, chunk_size=16)  # 33 chunks, a partial last one
 
 
 @requires_cuda

@@ -31,6 +31,56 @@ CALLS = {
 }
 # The same fp32 calls with libdevice's exp (host_utils.FP32_PRECISE_EXP, off by default; the next GPU run tries it).
 PRECISE_EXP_CALLS = [call for call in CALLS if call.startswith("production-fp32")]
+# bf16 calls with programmatic dependent launch (ScanConfig.pdl) that together launch every production kernel.
+PDL_CALLS = {
+    "local-split-flat": dict(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True,
+                             flat_tables=True),
+    "two-pass-fused": dict(block_p=16, n_segments=2, out_block_p=32),
+    "gate-in-scan": dict(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True,
+                         gate_in_scan=True),
+}
+PDL_KERNELS = {"token_tables", "flat_token_tables", "state_scan", "segment_entry", "chunk_scan", "chunk_scan_gate",
+               "gate_grads", "chunk_output", "group_sum"}
+# SASS of griddepcontrol.wait / .launch_dependents, and of the accesses to global memory.
+GRID_WAIT, GRID_TRIGGER = "ACQBULK", "PREEXIT"
+GLOBAL_ACCESS = ("LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "RED", "ATOMG")
+
+
+def dependent_launch_summary(kernel):
+    """What the test checks of a kernel compiled for programmatic dependent launch: its launch flag, how many
+    waits and triggers it has, and whether a wait comes before its first access to global memory."""
+    import sass_report
+
+    ops = [opcode for _, opcode, _ in sass_report.sass_ops(kernel)]
+    first_access = next(i for i, opcode in enumerate(ops) if opcode.startswith(GLOBAL_ACCESS))
+    return dict(launch_pdl=kernel.metadata.launch_pdl, waits=ops.count(GRID_WAIT), triggers=ops.count(GRID_TRIGGER),
+                waits_first=GRID_WAIT in ops[:first_access])
+
+
+def compile_pdl_calls():
+    """{call: {kernel: summary}} for PDL_CALLS (Triton kernels) and the two Gluon kernels; CUDA taken as sm_90."""
+    import aot_report
+    import gluon_gate_grads_check
+    import gluon_scan_probe
+
+    from mamba3_mimo import api
+    from mamba3_mimo.ops.production import ScanConfig
+
+    aot_report.compile_as_cuda()
+    compiled = {}
+    for call, knobs in PDL_CALLS.items():
+        inputs = aot_report.empty_inputs(B=1, S=64, H=2, G=1, N=64, P=32, R=2, chunk_size=16, dtype=torch.bfloat16)
+        config = ScanConfig(**knobs, pdl=True)
+        launches = aot_report.capture_launches(
+            lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config))
+        compiled[call] = {name: dependent_launch_summary(aot_report.compile_launch(name, args, kwargs))
+                          for name, args, kwargs in launches}
+    compiled["gluon"] = {f"gluon_scan-{role}": dependent_launch_summary(
+        gluon_scan_probe.compile_for_sm90("N128_P64_R4_C16", role=role, gdc=True)) for role in gluon_scan_probe.ROLES}
+    gate_config = dict(gluon_gate_grads_check.gate_cases())["N16_P64_R4_C8"]
+    compiled["gluon"]["gluon_gate"] = dependent_launch_summary(
+        gluon_gate_grads_check.compile_for_sm90("N16_P64_R4_C8", gate_config, gdc=True)["kernel"])
+    return compiled
 
 
 def compile_calls():
@@ -79,6 +129,20 @@ def test_call_compiles_for_sm90(compiled, call):
         assert any(compiled[call]["precise_exp"]) == call.endswith("-precise_exp")
 
 
+@pytest.mark.parametrize("call", list(PDL_CALLS) + ["gluon"])
+def test_dependent_launches_wait_before_their_first_load(compiled, call):
+    """With ``ScanConfig.pdl`` a kernel may start while the previous one runs: every kernel of these calls is
+    launched with the flag and waits (griddepcontrol.wait) before any access to global memory, then triggers the next
+    once.  The warp-specialized Gluon scan waits in both partitions: its producer warp issues TMA loads itself."""
+    kernels = compiled["pdl"][call]
+    for name, summary in kernels.items():
+        partitions = 2 if name.startswith("gluon_scan") else 1
+        assert summary == dict(launch_pdl=True, waits=partitions, triggers=partitions, waits_first=True), name
+    if call != "gluon":
+        assert set(kernels) <= PDL_KERNELS
+    assert set().union(*(compiled["pdl"][c] for c in PDL_CALLS)) == PDL_KERNELS
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    print(json.dumps(compile_calls()))
+    print(json.dumps(dict(compile_calls(), pdl=compile_pdl_calls())))

@@ -32,6 +32,7 @@ from .triton_utils import (
     load_token_weights,
     select_rows_sum,
     span_decay_offsets,
+    wait_for_previous_grid,
 )
 
 
@@ -49,7 +50,9 @@ def _chunk_output_kernel(
     HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_DTYPE: tl.constexpr,
     FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     PRECISE_EXP: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     HALF: tl.constexpr = N // 2
     F: tl.constexpr = RANKS_PER_STEP
     # A program's unit is a span of SPAN_CHUNKS chunks (L tokens) read as one chunk: the outputs do not

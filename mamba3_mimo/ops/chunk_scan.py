@@ -32,6 +32,7 @@ from .triton_utils import (
     rotate_half,
     silu_and_grad,
     span_decay_offsets,
+    wait_for_previous_grid,
 )
 
 
@@ -192,7 +193,9 @@ def _chunk_scan_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
@@ -231,12 +234,14 @@ def _chunk_scan_gate_kernel(
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
     PRECISE_EXP: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
 
     D_AT_GATE (with HAS_D): the D skip joins the gate's fp32 [tokens, ranks, cols] math from v and Psi, instead of
     _span_raw_y's volatile reload after its products."""
+    wait_for_previous_grid(GDC)
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)

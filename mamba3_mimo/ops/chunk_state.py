@@ -39,6 +39,7 @@ from .triton_utils import (
     load_token_weights,
     rotate_half,
     span_decay_offsets,
+    wait_for_previous_grid,
 )
 
 
@@ -78,7 +79,9 @@ def _state_scan_kernel(
     SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, SKIP_UNROTATED: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     HALF: tl.constexpr = N // 2
     # A step takes a span of SPAN_CHUNKS chunks (L tokens); CHUNKS_PER_SEG is a multiple of SPAN_CHUNKS.
     L: tl.constexpr = C * SPAN_CHUNKS

@@ -21,7 +21,7 @@ import triton.language as tl
 from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
-from .triton_utils import silu_and_grad
+from .triton_utils import silu_and_grad, wait_for_previous_grid
 
 # Elements of one [ranks, tokens, cols] tile: 16 per thread at 4 warps, so each thread's raw_y slice
 # is four 16-byte fp32 loads and the two fp32 running sums take 32 registers (128 in all, 4 CTAs per SM).
@@ -55,7 +55,9 @@ def _gate_grads_kernel(
     R: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, SCALED_RAW_Y: tl.constexpr,
     HAS_D: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     pid = tl.program_id(0)
     token_range = pid // N_PBLOCKS
     p_block = pid % N_PBLOCKS

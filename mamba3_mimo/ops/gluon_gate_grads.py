@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .gate_grads import gate_grads_meta
 from .host_utils import cdiv
 from .launch import launch
-from .triton_utils import fast_sigmoid
+from .triton_utils import fast_sigmoid, wait_for_previous_grid
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 COLS_PER_THREAD = 8  # one 16-byte fp16 / bf16 vector of a row
@@ -85,8 +85,10 @@ def _gluon_gate_grads_kernel(
     dzeta_ptr, S, H, N_RANGES, N_PBLOCKS, TOKENS_PER_PROGRAM, N_SCALE_TILES, SCALE_COLS,
     R: gl.constexpr, P: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr,
     RANKS_PER_THREAD: gl.constexpr, HAS_Z: gl.constexpr, HAS_D: gl.constexpr, num_warps: gl.constexpr,
+    GDC: gl.constexpr = False,
 ):
     """One program: one (b, h), a range of tokens and a P tile, as ``gate_grads``' kernel (the same partials)."""
+    wait_for_previous_grid(GDC)
     pid = gl.program_id(0)
     token_range = pid // N_PBLOCKS
     p0 = (pid % N_PBLOCKS) * BLOCK_P

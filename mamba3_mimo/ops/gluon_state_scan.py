@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host_utils import cdiv
 from .launch import launch
+from .triton_utils import wait_for_previous_grid
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 BLOCK_HALF = 64  # columns of each N/2 half a program holds: one 128-byte swizzled bf16 box row
@@ -71,7 +72,10 @@ def _state_layout(block_p, num_warps):
 @gluon.jit
 def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs,
               ready, empty, b, h, g, bh, t_first, n0, p0, S, n_steps,
-              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr):
+              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, GDC: gl.constexpr):
+    # The producer warp's TMA loads read the previous kernel's tables: it waits for that grid itself rather than
+    # relying on how the partitions are entered.
+    wait_for_previous_grid(GDC)
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
@@ -210,10 +214,11 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                        C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       num_warps: gl.constexpr, GDC: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
     scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
     (``chunk_state.py``)."""
+    wait_for_previous_grid(GDC)
     HALF: gl.constexpr = N // 2
     BLOCK_HALF: gl.constexpr = k_desc.block_type.shape[2]
     STACKED: gl.constexpr = BLOCK_HALF < _STATE_ROWS  # N = 64: one [64, P tile] accumulator holds both halves
@@ -278,7 +283,7 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                      seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS,
                      num_warps)),
         (_producer, (k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready,
-                     empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD)),
+                     empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD, GDC)),
     ], [1], [PRODUCER_REGISTERS])
 
 

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
+from .triton_utils import wait_for_previous_grid
 
 # Partials summed per step (rows of the [groups, R*P] tile) and R*P columns per program.  Narrow column
 # blocks give the launch its programs: with 128 columns the official shapes had B*H*R*P/128 = 128 programs
@@ -23,7 +24,9 @@ BLOCK_COLS = 32
 def _group_sum_kernel(
     dphi_ptr, dzeta_ptr, dmimo_o_ptr, dmimo_z_ptr, N_GROUPS,
     RP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_RP: tl.constexpr, HAS_Z: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     bh = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_RP + tl.arange(0, BLOCK_RP)
     col_mask = cols < RP

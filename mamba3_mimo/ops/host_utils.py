@@ -5,6 +5,7 @@ goes through a wrapper that unwraps its arguments, a few microseconds that a bwd
 ~36 times (benchmarks/host_profile.py).  These are the plain-Python equivalents.
 """
 
+import functools
 import os
 
 import torch
@@ -56,6 +57,17 @@ def compiled_for_gpu(tensor):
     compile for sm_90 from CPU tensors.
     """
     return tensor.is_cuda
+
+
+def dependent_launch_supported(tensor):
+    """True where a call on ``tensor``'s device may use programmatic dependent launch (``launch.dependent_launches``):
+    compiled for the GPU, compute capability 9.0 or later."""
+    return compiled_for_gpu(tensor) and _capability_major(tensor.device.index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index):
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def check_raw_y_scratch(who, raw_y, raw_y_scale, block_p):

@@ -33,8 +33,15 @@ every call's launches against the recorded ones.
 
 Everything goes through the JIT under the interpreter and for CPU tensors, while launch hooks are
 installed (profilers such as proton read them), and with ``MAMBA3_MIMO_JIT_LAUNCH=1`` in the environment.
+
+Inside ``with dependent_launches():`` every kernel that declares a ``GDC`` constexpr is compiled with it on and
+launched with programmatic dependent launch (``launch_pdl``, Hopper and later): its programs may be scheduled while
+the previous kernel in the stream finishes, and wait for it (``triton_utils.wait_for_previous_grid``) before their
+first load.  A kernel without the parameter is launched as usual, which is always safe.  The flag is part of the
+compiled kernel, so a replayed call launches the same way.
 """
 
+import contextlib
 import contextvars
 import inspect
 import os
@@ -54,6 +61,19 @@ _plan_slots = {}
 # plan key -> _CallRecord: every launch of the first whole call made under that key.
 _calls = {}
 _active_plan = contextvars.ContextVar("mamba3_mimo_launch_plan", default=None)
+_dependent = contextvars.ContextVar("mamba3_mimo_dependent_launches", default=False)
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled=True):
+    """Launches in this block with programmatic dependent launch where the kernel declares ``GDC`` (module
+    docstring).  Only for CUDA devices of compute capability 9.0 or later (``host_utils.dependent_launch_supported``):
+    the wait is inline PTX, which the interpreter cannot run."""
+    token = _dependent.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _dependent.reset(token)
 
 
 def _check_plans():
@@ -242,6 +262,8 @@ def launch(kernel, grid, *args, **kwargs):
     a tensor or descriptor on the current device (CPU tensors go through the JIT); ``kwargs``: constexprs by name
     and launch options (num_warps, num_stages, maxnreg), none of them tensors.
     """
+    if _dependent.get() and "GDC" in kernel.arg_names:
+        kwargs = dict(kwargs, GDC=True, launch_pdl=True)
     first = args[0].base if _is_descriptor(args[0]) else args[0]
     if not (isinstance(kernel, JITFunction) and first.is_cuda) or _jit_only():
         kernel[grid](*args, **kwargs)

@@ -39,8 +39,8 @@ from .chunk_scan import chunk_scan
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
-from .host_utils import cdiv, next_power_of_2, precise_exp, rotation_math_dtype
-from .launch import forbid_replay
+from .host_utils import cdiv, dependent_launch_supported, next_power_of_2, precise_exp, rotation_math_dtype
+from .launch import dependent_launches, forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
 
@@ -175,6 +175,10 @@ class ScanConfig:
     pass is held by the memory, so one program an SM walking every chunk stores as fast as two an SM, and one segment
     needs no end-state pass; the Triton scans, which need programs in flight to hide their loads, keep n_segments
     (docs/optimization.md section 39).
+    pdl: every kernel of the call with programmatic dependent launch (``launch.dependent_launches``; CUDA devices of
+    compute capability 9.0 or later, inert elsewhere): a kernel's programs are scheduled while the previous kernel's
+    last ones finish and wait for it before their first load, which takes the launch gap and the programs' start off
+    each of the call's four to six kernel boundaries.  Untimed, off by default (docs/optimization.md section 40).
     """
 
     block_p: int
@@ -209,6 +213,7 @@ class ScanConfig:
     gluon_scan: bool = False
     gluon_gate: bool = False
     gluon_segments: int = 0
+    pdl: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -488,111 +493,112 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
                                has_z=z is not None, half_tables=rotation_dtype == torch.float16)
-    scan_rotation = rotation_math_dtype(dot_dtype, config.scan_half_rotation)
-    out_rotation = rotation_math_dtype(dot_dtype, config.out_half_rotation)
-    if scan_rotation == out_rotation != tl.float32:
-        # Every stage rotates in the products' 16-bit dtype: tables in it spare a conversion a row.  Where one stage
-        # rotates in fp32 the tables keep their precision for it.
-        rotation_dtype = torch.bfloat16 if out_rotation == tl.bfloat16 else torch.float16
-    nch = cdiv(S, chunk_size)
-    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles,
-                                                             rotation_dtype=rotation_dtype, flat=config.flat_tables)
-    scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
-                da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
-                block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
-                prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
-                rotation_math_dtype=scan_rotation)
-    # The output stage reads the states back; when ``states`` is stored coarser than the inputs
-    # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
-    input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
-    handoff = states
-    if torch.finfo(states.dtype).eps > input_eps:
-        handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
-    gluon = None
-    if config.gluon_scan:
-        from . import gluon_state_scan
+    with dependent_launches(config.pdl and dependent_launch_supported(q)):
+        scan_rotation = rotation_math_dtype(dot_dtype, config.scan_half_rotation)
+        out_rotation = rotation_math_dtype(dot_dtype, config.out_half_rotation)
+        if scan_rotation == out_rotation != tl.float32:
+            # Every stage rotates in the products' 16-bit dtype: tables in it spare a conversion a row.  Where one stage
+            # rotates in fp32 the tables keep their precision for it.
+            rotation_dtype = torch.bfloat16 if out_rotation == tl.bfloat16 else torch.float16
+        nch = cdiv(S, chunk_size)
+        gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles,
+                                                                 rotation_dtype=rotation_dtype, flat=config.flat_tables)
+        scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
+                    da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
+                    block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
+                    dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
+                    prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
+                    rotation_math_dtype=scan_rotation)
+        # The output stage reads the states back; when ``states`` is stored coarser than the inputs
+        # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
+        input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
+        handoff = states
+        if torch.finfo(states.dtype).eps > input_eps:
+            handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
+        gluon = None
+        if config.gluon_scan:
+            from . import gluon_state_scan
 
-        if gluon_state_scan.unsupported(**scan, states=handoff) is None:
-            gluon = gluon_state_scan
-    wanted_segments = config.n_segments
-    if gluon and not config.local_states and config.gluon_segments:
-        wanted_segments = config.gluon_segments
-    # Segments hold whole steps of both scans.
-    span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
-    chunks_per_segment = cdiv(cdiv(nch, wanted_segments), span) * span
-    n_segments = cdiv(nch, chunks_per_segment)
-    scan.update(n_segments=n_segments, chunks_per_segment=chunks_per_segment)
-    local = config.local_states and n_segments > 1
-    seg_entry = entry_decay = None
-    if local:
-        if gluon:
-            seg_entry = gluon.gluon_chunk_local_states(**scan, states=handoff)
+            if gluon_state_scan.unsupported(**scan, states=handoff) is None:
+                gluon = gluon_state_scan
+        wanted_segments = config.n_segments
+        if gluon and not config.local_states and config.gluon_segments:
+            wanted_segments = config.gluon_segments
+        # Segments hold whole steps of both scans.
+        span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
+        chunks_per_segment = cdiv(cdiv(nch, wanted_segments), span) * span
+        n_segments = cdiv(nch, chunks_per_segment)
+        scan.update(n_segments=n_segments, chunks_per_segment=chunks_per_segment)
+        local = config.local_states and n_segments > 1
+        seg_entry = entry_decay = None
+        if local:
+            if gluon:
+                seg_entry = gluon.gluon_chunk_local_states(**scan, states=handoff)
+            else:
+                seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
+            entry_decay = segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
+                                               chunks_per_segment=chunks_per_segment,
+                                               precise_exp=precise_exp(dot_dtype, da_cs))
+        elif gluon:
+            seg_end = gluon.gluon_segment_end_states(**scan)
+            gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
         else:
-            seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
-        entry_decay = segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
-                                           chunks_per_segment=chunks_per_segment,
-                                           precise_exp=precise_exp(dot_dtype, da_cs))
-    elif gluon:
-        seg_end = gluon.gluon_segment_end_states(**scan)
-        gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
-    else:
-        # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
-        # twice within a call, which keeps a recorded call's scratch layout the same from call to call.
-        seg_end = segment_end_states(**dict(scan, prefetch=config.scan_prefetch or config.end_scan_prefetch),
-                                     span_chunks=config.end_span_chunks)
-        chunk_states(**scan, seg_state=seg_end, states=handoff, span_chunks=config.state_span_chunks)
-    output_stage = dict(
-        q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
-        d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
-        chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
-        num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-        entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
-        q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
-        rotation_math_dtype=out_rotation)
-    d_in_gate = config.d_in_gate and d is not None
-    if config.split_gate and config.gate_in_scan:
-        dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
-                                 max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program,
-                                 d_in_gate=d_in_gate)
-    elif config.split_gate:
-        # dz sums raw_y over ranks, and where those terms cancel the scratch's rounding shows in full: a bf16 raw_y
-        # (2^-9) tipped dz over the dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE
-        # 1.18e-1 > 2 x 5.34e-2 at 9d55f71).  fp16 scaled per row is 2^-12 at half fp32's bytes.
-        raw_y_dtype = torch.float32
-        if config.half_raw_y:
-            raw_y_dtype = raw_y_scratch_dtype(*activation_dtypes)
-        raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype)
-        raw_y_scale = None
-        if raw_y_dtype == torch.float16:
-            raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
-                                      dtype=torch.float32)
-        chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
-                   max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
-        skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
-        gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout, z=z,
-                    mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens, **skip)
-        gate_kernel = functools.partial(gate_grads, tile_elements=config.gate_tile_elements,
-                                        num_warps=config.gate_num_warps)
-        if config.gluon_gate:
-            from . import gluon_gate_grads
+            # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
+            # twice within a call, which keeps a recorded call's scratch layout the same from call to call.
+            seg_end = segment_end_states(**dict(scan, prefetch=config.scan_prefetch or config.end_scan_prefetch),
+                                         span_chunks=config.end_span_chunks)
+            chunk_states(**scan, seg_state=seg_end, states=handoff, span_chunks=config.state_span_chunks)
+        output_stage = dict(
+            q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
+            d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
+            chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
+            num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
+            entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
+            q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
+            rotation_math_dtype=out_rotation)
+        d_in_gate = config.d_in_gate and d is not None
+        if config.split_gate and config.gate_in_scan:
+            dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
+                                     max_registers=config.out_max_registers,
+                                     spans_per_program=config.chunks_per_program, d_in_gate=d_in_gate)
+        elif config.split_gate:
+            # dz sums raw_y over ranks, and where those terms cancel the scratch's rounding shows in full: a bf16 raw_y
+            # (2^-9) tipped dz over the dual benchmark on the GPU (test_gpu_pairwise B1-S32-H2-bf16-Z-D-G1: MERE
+            # 1.18e-1 > 2 x 5.34e-2 at 9d55f71).  fp16 scaled per row is 2^-12 at half fp32's bytes.
+            raw_y_dtype = torch.float32
+            if config.half_raw_y:
+                raw_y_dtype = raw_y_scratch_dtype(*activation_dtypes)
+            raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype)
+            raw_y_scale = None
+            if raw_y_dtype == torch.float16:
+                raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
+                                          dtype=torch.float32)
+            chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
+                       max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+            skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
+            gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout, z=z,
+                        mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens, **skip)
+            gate_kernel = functools.partial(gate_grads, tile_elements=config.gate_tile_elements,
+                                            num_warps=config.gate_num_warps)
+            if config.gluon_gate:
+                from . import gluon_gate_grads
 
-            if gluon_gate_grads.unsupported(**gate, block_p=gluon_gate_grads.tile_columns(
-                    R=R, P=P, scale_block_p=config.out_block_p)) is None:
-                gate_kernel = gluon_gate_grads.gluon_gate_grads
-        dphi, dzeta = gate_kernel(**gate)
-    else:
-        dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
-                                   q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
-                                   da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff,
-                                   qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
-                                   chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
-                                   dot_dtype=dot_dtype, dot_precision=dot_precision,
-                                   num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
-                                   span_chunks=config.out_span_chunks, seg_entry=seg_entry,
-                                   entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
-                                   rotation_math_dtype=out_rotation)
-    if handoff is not states:
-        forbid_replay()  # a torch copy between the launches: a call replay would miss it
-        states.copy_(handoff)
-    sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)
+                if gluon_gate_grads.unsupported(**gate, block_p=gluon_gate_grads.tile_columns(
+                        R=R, P=P, scale_block_p=config.out_block_p)) is None:
+                    gate_kernel = gluon_gate_grads.gluon_gate_grads
+            dphi, dzeta = gate_kernel(**gate)
+        else:
+            dphi, dzeta = chunk_output(q=q, k=k, v=v, dout=dout, z=z, cos_angles=cos_angles, sin_angles=sin_angles,
+                                       q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d,
+                                       da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale,
+                                       states=handoff, qk_dot=qk_dot, dz=dz, chunk_size=chunk_size,
+                                       chunks_per_program=config.chunks_per_program, block_p=config.out_block_p,
+                                       dot_dtype=dot_dtype, dot_precision=dot_precision,
+                                       num_warps=config.out_num_warps, ranks_per_step=config.ranks_per_step,
+                                       span_chunks=config.out_span_chunks, seg_entry=seg_entry,
+                                       entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
+                                       rotation_math_dtype=out_rotation)
+        if handoff is not states:
+            forbid_replay()  # a torch copy between the launches: a call replay would miss it
+            states.copy_(handoff)
+        sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)

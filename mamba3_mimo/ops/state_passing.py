@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
-from .triton_utils import exp_fp32
+from .triton_utils import exp_fp32, wait_for_previous_grid
 
 # Elements of the flattened [N, P] state per program: a (b, h) takes N * P / 1024 programs.
 BLOCK_STATE = 1024
@@ -28,7 +28,9 @@ def _segment_entry_kernel(
     seg_state_ptr, da_cs_ptr, entry_decay_ptr, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
     C: tl.constexpr, STATE_SIZE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SEG_CHUNKS: tl.constexpr,
     PRECISE_EXP: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     bh = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < STATE_SIZE

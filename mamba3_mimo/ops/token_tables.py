@@ -20,7 +20,7 @@ import triton.language as tl
 from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
-from .triton_utils import fast_cos_sin, trapezoid_weights
+from .triton_utils import fast_cos_sin, trapezoid_weights, wait_for_previous_grid
 
 BLOCK_TOKENS = 256
 # Elements of angles per step (tokens x RD): 4 a thread at 4 warps.
@@ -55,7 +55,8 @@ def _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_mask, FAST_T
 @triton.jit
 def _token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S, H, RD,
                          BLOCK_T: tl.constexpr, BLOCK_RD: tl.constexpr, ANGLE_ROWS: tl.constexpr,
-                         FAST_TRIG: tl.constexpr):
+                         FAST_TRIG: tl.constexpr, GDC: tl.constexpr = False):
+    wait_for_previous_grid(GDC)
     bh = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = t < S
@@ -83,10 +84,11 @@ FLAT_ANGLES = 2048
 @triton.jit
 def _flat_token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S,
                               N_ROWS, N_ANGLES, BLOCK_W: tl.constexpr, BLOCK_A: tl.constexpr,
-                              FAST_TRIG: tl.constexpr):
+                              FAST_TRIG: tl.constexpr, GDC: tl.constexpr = False):
     """_token_tables_kernel with cos / sin as an elementwise map over angles [B * S * H * RD], flat, which keeps
     every load and store contiguous whatever RD and H are (per (b, h) the angle rows are RD elements H * RD
     apart).  Program i also takes the i-th token block of the [B * H, S] weight tables, if there is one."""
+    wait_for_previous_grid(GDC)
     pid = tl.program_id(0)
     blocks_per_row = tl.cdiv(S, BLOCK_W)
     row = pid // blocks_per_row

@@ -19,6 +19,18 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
+def wait_for_previous_grid(ENABLED: tl.constexpr):
+    """With programmatic dependent launch (``launch.dependent_launches``), a kernel may start while the one before
+    it in the stream still runs: wait here for that grid's completion and its writes (``griddepcontrol.wait``)
+    before any load, then let the next kernel's programs be scheduled (``griddepcontrol.launch_dependents``).
+    Triggering only after the wait keeps the chain safe: when the next kernel starts, this one's predecessor is done.
+    CUDA (sm_90+) only; ENABLED is False under the interpreter."""
+    if ENABLED:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def chunk_rows(BLOCK_ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr):
     """(t_local, rank, valid) of each row of a chunk tile, row = t_local * R + rank: three [BLOCK_ROWS]."""
     rows = tl.arange(0, BLOCK_ROWS)
