@@ -9,8 +9,9 @@
 # section 36); part 15 times the probe with split loads; part 16 (section 37) the split stage without Z at N16 / N32;
 # part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
 # gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
-# shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|20 bash benchmarks/sweep_prepared.sh
+# shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
+# programmatic dependent launch.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|21 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -24,6 +25,8 @@ sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ)
 }
 
 export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's kernels before timing them
+ALL_CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16 N128_P64_R4_C16 N256_P64_R4_C8 N64_P128_R4_C16 N128_P32_R4_C16 \
+N128_P128_R4_C8 N128_P64_R8_C8 N128_P64_R2_C32 N128_P64_R1_C64"
 # Every candidate carries d_in_gate, which the GPU runs of sections 26-27 timed and which the next validation makes the
 # default, so that one final_gpu.sh run can follow with all the winners set.
 HALF_ROTATION="d_in_gate=1,d_in_gate=1+scan_half_rotation=1,d_in_gate=1+out_half_rotation=1,\
@@ -255,8 +258,20 @@ case "${PART:-1}" in
     # at N16 and N128_P128, the warp stall reasons and the per-SASS source counters (~2 minutes a kernel).
     CASES="N16_P64_R4_C8 N128_P128_R4_C8" KERNELS="_chunk_scan_kernel" OUT="$OUT/ncu" bash benchmarks/ncu_profile.sh
     ;;
+  21)
+    # Programmatic dependent launch (section 40): each kernel's programs are scheduled while the previous kernel's last
+    # ones finish and wait before their first load.  Predicted -3 to -6 us a call (graph), the launch gap and the
+    # programs' start at each of five kernel boundaries: -1 to -2% at N <= 64, under 1% at N256 / N128_P128.  First
+    # the GPU tests of the knob (bitwise against the same config without it on the quick grid, with and without Z;
+    # captured in a CUDA graph and replayed; deterministic), then pdl=0:1 on every official shape with Z and on three
+    # without.
+    timeout 240 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py tests/test_robustness.py \
+      -k "pdl" 2>&1 | tail -n 6
+    sweep pdl CASES="$ALL_CASES" KNOBS="pdl=0:1"
+    sweep pdl_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" KNOBS="pdl=0:1"
+    ;;
   *)
-    echo "PART must be 1 to 20" >&2
+    echo "PART must be 1 to 21" >&2
     exit 2
     ;;
 esac
