@@ -69,7 +69,7 @@ def _span_raw_y(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
-    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -77,6 +77,8 @@ def _span_raw_y(
     Q_CAST_EARLY narrows q~ to the dot dtype before k is loaded, Y_STATE_EARLY forms q~ @ state right after the
     scores: the same arithmetic in another order, for fewer live registers (ScanConfig.out_q_cast_early,
     out_y_state_early).  ROTATION_DTYPE: the dtype of q's and k's bias add and rotation (``rotation_math_dtype``).
+    GDC (programmatic dependent launch): the rotation tables are asked for before the wait for the previous kernel,
+    the states after it.
     """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
@@ -113,9 +115,10 @@ def _span_raw_y(
     hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
     angle_seq = (b * S * H + h) * RD
 
-    state_lo, state_hi = load_entering_state(
-        states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-        half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
+    if not GDC:
+        state_lo, state_hi = load_entering_state(
+            states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+            half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
 
     # q~ and k~: both rotate by their token's angles, each row adds its rank's bias; in ROTATION_DTYPE (fp32, or the
     # products' half dtype: two elements a register).
@@ -123,6 +126,15 @@ def _span_raw_y(
     rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
     cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(ROTATION_DTYPE)[:, None, :]
     sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(ROTATION_DTYPE)[:, None, :]
+    if GDC:
+        # The cos / sin tables are token_tables', written two or more launches back (done before this program could
+        # start: each kernel lets the next one start only after its own wait), so their loads are issued before the
+        # wait.  The states, and with local states the segment entries that the launch just before writes, come after
+        # it.  Later placements (after q~, after the scores) spill 100-240 B more at N = 128 under the 128 cap.
+        wait_for_previous_grid(GDC)
+        state_lo, state_hi = load_entering_state(
+            states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
+            half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
     mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
     x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
                             + offs_half[None, None, :])
@@ -195,7 +207,6 @@ def _chunk_scan_kernel(
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
-    wait_for_previous_grid(GDC)
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
@@ -207,7 +218,7 @@ def _chunk_scan_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -241,7 +252,6 @@ def _chunk_scan_gate_kernel(
 
     D_AT_GATE (with HAS_D): the D skip joins the gate's fp32 [tokens, ranks, cols] math from v and Psi, instead of
     _span_raw_y's volatile reload after its products."""
-    wait_for_previous_grid(GDC)
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
@@ -259,7 +269,7 @@ def _chunk_scan_gate_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
