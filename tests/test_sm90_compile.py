@@ -47,30 +47,35 @@ GRID_WAIT, GRID_TRIGGER = "ACQBULK", "PREEXIT"
 GLOBAL_ACCESS = ("LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "RED", "ATOMG")
 
 
-# chunk_scan starts its work before the wait (section 40): its pointers to what the launch just before it writes.
+# The kernels that start work before their wait (section 40), and their parameters pointing to what the launch just
+# before them writes.
 WRITTEN_BY_PREDECESSOR = {"chunk_scan": ("states_ptr", "seg_entry_ptr", "entry_decay_ptr"),
-                          "chunk_scan_gate": ("states_ptr", "seg_entry_ptr", "entry_decay_ptr")}
+                          "chunk_scan_gate": ("states_ptr", "seg_entry_ptr", "entry_decay_ptr"),
+                          "segment_entry": ("seg_state_ptr",),
+                          "gate_grads": ("raw_y_ptr", "raw_y_scale_ptr"),
+                          "gluon_gate": ("y_desc", "raw_y_scale_ptr")}
 PTX_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
 
 
 def accesses_through(kernel, pointers):
-    """(accesses before griddepcontrol.wait, accesses in all) to global memory in the kernel's PTX whose address is
-    computed from one of the ``pointers`` parameters: a forward pass over the straight-line PTX that marks every
-    register defined from a marked one."""
+    """(accesses before griddepcontrol.wait, accesses in all) to global memory in the kernel's PTX whose address (or
+    TMA descriptor) is computed from one of the ``pointers`` parameters: a forward pass over the PTX, in order, that
+    marks every register defined from a marked one."""
     names = [name for name, kind in kernel.src.signature.items() if kind != "constexpr"]
     ptx = kernel.asm["ptx"]
     marked = set()
     for name in pointers:
         param = f"{kernel.name}_param_{names.index(name)}"
+        # a pointer is loaded from its parameter; a TMA descriptor is addressed as the parameter itself
         marked |= set(re.findall(r"ld\.param\.\w+\s+(%\w+), \[" + param + r"\]", ptx))
+        marked |= set(re.findall(r"mov\.\w+\s+(%\w+), " + param + ";", ptx))
     early = total = 0
     waited = False
     for line in ptx.split("\n"):
         waited = waited or "griddepcontrol.wait" in line
         registers = re.findall(r"%\w+", line)
         if PTX_ACCESS.search(line):
-            address = re.search(r"\[\s*(%\w+)", line)
-            if address and address.group(1) in marked:
+            if marked.intersection(re.findall(r"\[\s*(%\w+)", line)):
                 total += 1
                 early += not waited
         elif registers and any(r in marked for r in registers[1:]):
@@ -117,7 +122,7 @@ def compile_pdl_calls():
         gluon_scan_probe.compile_for_sm90("N128_P64_R4_C16", role=role, gdc=True)) for role in gluon_scan_probe.ROLES}
     gate_config = dict(gluon_gate_grads_check.gate_cases())["N16_P64_R4_C8"]
     compiled["gluon"]["gluon_gate"] = dependent_launch_summary(
-        gluon_gate_grads_check.compile_for_sm90("N16_P64_R4_C8", gate_config, gdc=True)["kernel"])
+        gluon_gate_grads_check.compile_for_sm90("N16_P64_R4_C8", gate_config, gdc=True)["kernel"], "gluon_gate")
     return compiled
 
 
@@ -176,8 +181,9 @@ def test_dependent_launches_wait_before_their_first_load(compiled, call):
     for name, summary in kernels.items():
         partitions = 2 if name.startswith("gluon_scan") else 1
         if name.split("#")[0] in WRITTEN_BY_PREDECESSOR:
-            # chunk_scan loads q, k and the tables and forms the scores before the wait; the states (and the segment
-            # entries) only after it.
+            # These ask for the call's inputs (and tables written further back) before the wait: chunk_scan its
+            # rotation tables, the segment fold its decay table, gate_grads its dout / z / v; what the launch just
+            # before writes (states and segment entries, seg_state, raw_y) only after it.
             assert summary["accesses"] > 0 and summary["early_accesses"] == 0, name
             assert not summary["waits_first"], name
             summary = {key: summary[key] for key in ("launch_pdl", "waits", "triggers")}

@@ -62,21 +62,26 @@ def _tile_layout(R, block_p, ranks_per_thread, num_warps):
 @gluon.jit
 def _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
                 bh, b, h, first, p0, P: gl.constexpr, BLOCK_T: gl.constexpr, HAS_Z: gl.constexpr,
-                HAS_D: gl.constexpr):
-    """Ask for tile ``tile``'s boxes (nothing past the program's last tile) on its stage's barrier."""
+                HAS_D: gl.constexpr, INPUTS: gl.constexpr = True, RAW_Y: gl.constexpr = True):
+    """Ask for tile ``tile``'s boxes (nothing past the program's last tile) on its stage's barrier: the raw_y box and
+    the inputs' (dout, z, v) boxes, or only one of the two (``INPUTS`` / ``RAW_Y``; the barrier is told the whole
+    tile's bytes with the inputs, so it completes only once raw_y's box has landed too)."""
     NUM_BUFFERS: gl.constexpr = y_bufs.type.shape[0]
     TILE_BYTES: gl.constexpr = y_desc.block_type.nbytes + dout_desc.block_type.nbytes * (1 + HAS_Z + HAS_D)
     stage = tile % NUM_BUFFERS
     bar = ready.index(stage)
     wanted = tile < n_tiles
     t = first + tile * BLOCK_T
-    mbarrier.expect(bar, TILE_BYTES, pred=wanted)
-    tma.async_copy_global_to_shared(y_desc, [bh, t, 0, p0], bar, y_bufs.index(stage), pred=wanted)
-    tma.async_copy_global_to_shared(dout_desc, [b, t, h * P + p0], bar, dout_bufs.index(stage), pred=wanted)
-    if HAS_Z:
-        tma.async_copy_global_to_shared(z_desc, [b, t, h * P + p0], bar, z_bufs.index(stage), pred=wanted)
-    if HAS_D:
-        tma.async_copy_global_to_shared(v_desc, [b, t, h * P + p0], bar, v_bufs.index(stage), pred=wanted)
+    if INPUTS:
+        mbarrier.expect(bar, TILE_BYTES, pred=wanted)
+    if RAW_Y:
+        tma.async_copy_global_to_shared(y_desc, [bh, t, 0, p0], bar, y_bufs.index(stage), pred=wanted)
+    if INPUTS:
+        tma.async_copy_global_to_shared(dout_desc, [b, t, h * P + p0], bar, dout_bufs.index(stage), pred=wanted)
+        if HAS_Z:
+            tma.async_copy_global_to_shared(z_desc, [b, t, h * P + p0], bar, z_bufs.index(stage), pred=wanted)
+        if HAS_D:
+            tma.async_copy_global_to_shared(v_desc, [b, t, h * P + p0], bar, v_bufs.index(stage), pred=wanted)
 
 
 @gluon.jit
@@ -88,7 +93,6 @@ def _gluon_gate_grads_kernel(
     GDC: gl.constexpr = False,
 ):
     """One program: one (b, h), a range of tokens and a P tile, as ``gate_grads``' kernel (the same partials)."""
-    wait_for_previous_grid(GDC)
     pid = gl.program_id(0)
     token_range = pid // N_PBLOCKS
     p0 = (pid % N_PBLOCKS) * BLOCK_P
@@ -119,9 +123,20 @@ def _gluon_gate_grads_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
-    for tile in gl.static_range(NUM_BUFFERS - 1):
-        _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
-                    bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D)
+    if GDC:
+        # Under programmatic dependent launch the first tiles' dout / z / v (inputs of the call) are asked for before
+        # the wait for chunk_scan, which writes raw_y and its scales; raw_y's boxes after it.
+        for tile in gl.static_range(NUM_BUFFERS - 1):
+            _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
+                        bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D, RAW_Y=False)
+        wait_for_previous_grid(GDC)
+        for tile in gl.static_range(NUM_BUFFERS - 1):
+            _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
+                        bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D, INPUTS=False)
+    else:
+        for tile in gl.static_range(NUM_BUFFERS - 1):
+            _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
+                        bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D)
 
     # Per (rank, col) constants: Phi Zeta for dz, Zeta for the gate's input, D Psi for the skip.
     rc_ranks = gl.arange(0, R, gl.SliceLayout(1, rc_layout))[:, None]

@@ -30,7 +30,6 @@ def _segment_entry_kernel(
     PRECISE_EXP: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
-    wait_for_previous_grid(GDC)
     bh = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < STATE_SIZE
@@ -38,6 +37,17 @@ def _segment_entry_kernel(
     da_cs_seq = da_cs_ptr + bh * S
     entry = tl.zeros((BLOCK,), dtype=tl.float32)
     idx = tl.arange(0, BLOCK_SEG_CHUNKS)
+    if GDC:
+        # Under programmatic dependent launch the decay table (from da_cs, an input of the call) is written before the
+        # wait for the scan that writes seg_state; only the chunk_scan after this kernel reads it.
+        if tl.program_id(0) == 0:
+            for s in range(0, N_SEGMENTS):
+                chunk = s * CHUNKS_PER_SEG + idx
+                valid = (idx < CHUNKS_PER_SEG) & (chunk < NCH)
+                log_decay = tl.load(da_cs_seq + tl.minimum(chunk * C + C - 1, S - 1), mask=valid, other=0.0)
+                before = tl.cumsum(log_decay, axis=0) - log_decay
+                tl.store(entry_decay_ptr + bh * NCH + chunk, exp_fp32(before, PRECISE_EXP), mask=valid)
+        wait_for_previous_grid(GDC)
     for s in range(0, N_SEGMENTS):
         # The log decays of the segment's chunks (da_cs at a chunk's last valid token): their sum decays the
         # entry state across the segment, their exclusive running sum is each chunk's decay from the segment's
@@ -45,9 +55,10 @@ def _segment_entry_kernel(
         chunk = s * CHUNKS_PER_SEG + idx
         valid = (idx < CHUNKS_PER_SEG) & (chunk < NCH)
         log_decay = tl.load(da_cs_seq + tl.minimum(chunk * C + C - 1, S - 1), mask=valid, other=0.0)
-        if tl.program_id(0) == 0:
-            before = tl.cumsum(log_decay, axis=0) - log_decay
-            tl.store(entry_decay_ptr + bh * NCH + chunk, exp_fp32(before, PRECISE_EXP), mask=valid)
+        if not GDC:
+            if tl.program_id(0) == 0:
+                before = tl.cumsum(log_decay, axis=0) - log_decay
+                tl.store(entry_decay_ptr + bh * NCH + chunk, exp_fp32(before, PRECISE_EXP), mask=valid)
         # The last segment's end state is not needed: its slot only receives the entry state.
         end = tl.load(seg_seq + s * STATE_SIZE, mask=mask & (s < N_SEGMENTS - 1), other=0.0)
         tl.store(seg_seq + s * STATE_SIZE, entry, mask=mask)
