@@ -12,6 +12,7 @@ import torch
 from conftest import assert_replay_equals_jit, requires_cuda, seed_for, spy_on_replays
 
 import mamba3_mimo.ops.launch as launch_module
+from mamba3_mimo.ops.production import ScanConfig
 from mamba3_mimo.ops.token_tables import _token_tables_kernel, token_tables
 
 
@@ -80,6 +81,36 @@ def test_pdl_is_inert_off_the_gpu(monkeypatch):
     base = choose_config(B=1, H=2, S=48, N=32, P=32, R=2, chunk_size=16, num_sms=4)
     assert_knob_inert(inputs, base, "pdl", output_dtype=torch.float32)
     assert len(options) >= 8 and set(options) == {(False, False)}  # both calls' launches, none of them dependent
+
+
+@pytest.mark.parametrize("knobs", [dict(local_states=True, split_gate=True, n_segments=3),
+                                   dict(local_states=True, split_gate=True, gate_in_scan=True, n_segments=3),
+                                   dict(local_states=False, split_gate=True, n_segments=2),
+                                   dict(local_states=False, split_gate=False, n_segments=2)],
+                         ids=["local-split", "gate-in-scan", "two-pass-split", "two-pass-fused"])
+def test_dependent_launch_code_paths_give_the_same_outputs(monkeypatch, knobs):
+    """The kernels' code paths under ``ScanConfig.pdl`` (chunk_scan's tables asked for before its states, the segment
+    fold's decay table before the fold, gate_grads' first dout / z / v before raw_y) compute what the plain paths do,
+    bit for bit.  The interpreter runs those paths without the wait instruction (``triton_utils.INTERPRETED``); on the
+    GPU ``test_official_pdl_changes_no_output`` checks the same with the waits."""
+    from conftest import assert_knob_inert
+
+    from mamba3_mimo.inputs import make_inputs
+    from mamba3_mimo.ops import production, triton_utils
+
+    if torch.cuda.is_available() or not triton_utils.INTERPRETED:
+        pytest.skip("the interpreter's run of the dependent-launch paths")
+    options = []
+    kernel_type = type(_token_tables_kernel)
+    run = kernel_type.run
+    monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (
+        options.append(kwargs.get("GDC", False)), run(self, *args, **kwargs))[1])
+    monkeypatch.setattr(production, "dependent_launch_supported", lambda tensor: True)
+    inputs = make_inputs(B=1, S=96, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=torch.float32, seed=13)
+    base = ScanConfig(block_p=16, out_block_p=32, **knobs)
+    assert_knob_inert(inputs, base, "pdl", output_dtype=torch.float32)
+    # the second call's launches all took their dependent-launch paths (the first call's none)
+    assert True in options and False in options and options[len(options) // 2:] == [True] * (len(options) // 2)
 
 
 def _tables_inputs(gen, B, H, S, RD, device, offset=0):

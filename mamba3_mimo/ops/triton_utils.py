@@ -13,21 +13,29 @@ activations, ``da_cs`` is clamped to its last valid value, and stores past
 the copies.
 """
 
+import os
+
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+
+# Under the interpreter a kernel's dependent-launch code path (its work ordered around the wait) runs without the
+# wait and trigger instructions, which are inline PTX: the CPU tests check that path's values.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def wait_for_previous_grid(ENABLED: tl.constexpr):
     """With programmatic dependent launch (``launch.dependent_launches``), a kernel may start while the one before
     it in the stream still runs: wait here for that grid's completion and its writes (``griddepcontrol.wait``)
-    before any load, then let the next kernel's programs be scheduled (``griddepcontrol.launch_dependents``).
+    before any load of them, then let the next kernel's programs be scheduled (``griddepcontrol.launch_dependents``).
     Triggering only after the wait keeps the chain safe: when the next kernel starts, this one's predecessor is done.
-    CUDA (sm_90+) only; ENABLED is False under the interpreter."""
+    CUDA (sm_90+); a no-op under the interpreter (``INTERPRETED``)."""
     if ENABLED:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not INTERPRETED:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
