@@ -36,9 +36,9 @@ installed (profilers such as proton read them), and with ``MAMBA3_MIMO_JIT_LAUNC
 
 Inside ``with dependent_launches():`` every kernel that declares a ``GDC`` constexpr is compiled with it on and
 launched with programmatic dependent launch (``launch_pdl``, Hopper and later): its programs may be scheduled while
-the previous kernel in the stream finishes, and wait for it (``triton_utils.wait_for_previous_grid``) before their
-first load.  A kernel without the parameter is launched as usual, which is always safe.  The flag is part of the
-compiled kernel, so a replayed call launches the same way.
+the previous kernel in the stream finishes, and wait for it (``triton_utils.wait_for_previous_grid``) before they
+read anything it writes.  A kernel without the parameter is launched as usual, which is always safe.  The flag is
+part of the compiled kernel, so a replayed call launches the same way.
 """
 
 import contextlib
