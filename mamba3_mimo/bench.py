@@ -89,7 +89,8 @@ def jit_kernels():
             "gate_grads": gate_grads._gate_grads_kernel, "gluon_gate": gluon_gate_grads._gluon_gate_grads_kernel,
             "token_tables": token_tables._token_tables_kernel,
             "flat_token_tables": token_tables._flat_token_tables_kernel,
-            "segment_entry": state_passing._segment_entry_kernel, "group_sum": group_sum._group_sum_kernel,
+            "segment_entry": state_passing._segment_entry_kernel,
+            "segment_entry_scan": state_passing._segment_entry_scan_kernel, "group_sum": group_sum._group_sum_kernel,
             "rotary": stage0._rotary_kernel, "qk_dot": stage0._qk_dot_kernel,
             "serial_scan": stage0._serial_scan_kernel}
 
@@ -242,6 +243,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gluon_gate=[False, True],
         gluon_segments=[0, 1, 2],
         pdl=[False, True],
+        fold_one_scan=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

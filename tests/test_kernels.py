@@ -157,13 +157,18 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, scan_skip_unrotated=True),
     ScanConfig(block_p=16, n_segments=2, block_half=16, out_block_p=16, local_states=True, split_gate=True,
                scan_prefetch=True, scan_skip_unrotated=True, flat_tables=True),
+    # Local states folded by one scan over the segments: three of them (a partial tile of four), and one per chunk.
+    ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, local_states=True, split_gate=True,
+               fold_one_scan=True),
+    ScanConfig(block_p=16, n_segments=8, out_block_p=16, local_states=True, fold_one_scan=True),
 ]
 
 
 @pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda c: f"p{c.block_p}-s{c.n_segments}-n{c.block_half}-"
                          f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else "")
                          + ("-epf" if c.end_scan_prefetch else "")
-                         + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else ""))
+                         + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else "")
+                         + ("-local" if c.local_states else "") + ("-fold1" if c.fold_one_scan else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""

@@ -84,10 +84,11 @@ def test_pdl_is_inert_off_the_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("knobs", [dict(local_states=True, split_gate=True, n_segments=3),
-                                   dict(local_states=True, split_gate=True, gate_in_scan=True, n_segments=3),
+                                   dict(local_states=True, split_gate=True, gate_in_scan=True, n_segments=3,
+                                        fold_one_scan=True),
                                    dict(local_states=False, split_gate=True, n_segments=2),
                                    dict(local_states=False, split_gate=False, n_segments=2)],
-                         ids=["local-split", "gate-in-scan", "two-pass-split", "two-pass-fused"])
+                         ids=["local-split", "gate-in-scan-fold1", "two-pass-split", "two-pass-fused"])
 def test_dependent_launch_code_paths_give_the_same_outputs(monkeypatch, knobs):
     """The kernels' code paths under ``ScanConfig.pdl`` (chunk_scan's tables asked for before its states, the segment
     fold's decay table before the fold, gate_grads' first dout / z / v before raw_y) compute what the plain paths do,

@@ -37,11 +37,11 @@ PDL_CALLS = {
     "local-split-flat": dict(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True,
                              flat_tables=True),
     "two-pass-fused": dict(block_p=16, n_segments=2, out_block_p=32),
-    "gate-in-scan": dict(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True,
-                         gate_in_scan=True),
+    "gate-in-scan-fold1": dict(block_p=16, n_segments=3, out_block_p=32, local_states=True, split_gate=True,
+                               gate_in_scan=True, fold_one_scan=True),
 }
-PDL_KERNELS = {"token_tables", "flat_token_tables", "state_scan", "segment_entry", "chunk_scan", "chunk_scan_gate",
-               "gate_grads", "chunk_output", "group_sum"}
+PDL_KERNELS = {"token_tables", "flat_token_tables", "state_scan", "segment_entry", "segment_entry_scan", "chunk_scan",
+               "chunk_scan_gate", "gate_grads", "chunk_output", "group_sum"}
 # SASS of griddepcontrol.wait / .launch_dependents, and of the accesses to global memory.
 GRID_WAIT, GRID_TRIGGER = "ACQBULK", "PREEXIT"
 GLOBAL_ACCESS = ("LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "RED", "ATOMG")
@@ -52,6 +52,7 @@ GLOBAL_ACCESS = ("LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "RED", "ATOMG")
 WRITTEN_BY_PREDECESSOR = {"chunk_scan": ("states_ptr", "seg_entry_ptr", "entry_decay_ptr"),
                           "chunk_scan_gate": ("states_ptr", "seg_entry_ptr", "entry_decay_ptr"),
                           "segment_entry": ("seg_state_ptr",),
+                          "segment_entry_scan": ("seg_state_ptr",),
                           "gate_grads": ("raw_y_ptr", "raw_y_scale_ptr"),
                           "gluon_gate": ("y_desc", "raw_y_scale_ptr")}
 PTX_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")

@@ -50,10 +50,14 @@ def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z):
     assert torch.equal(dphi, dphi_before)
 
 
-@pytest.mark.parametrize("S,C,chunks_per_segment,n_segments", [(70, 16, 2, 3), (64, 8, 3, 3), (256, 16, 4, 4)])
-def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
+@pytest.mark.parametrize("one_scan", [False, True], ids=["serial", "one-scan"])
+@pytest.mark.parametrize("S,C,chunks_per_segment,n_segments", [(70, 16, 2, 3), (64, 8, 3, 3), (256, 16, 4, 4),
+                                                               (256, 8, 2, 16)])
+def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments, one_scan):
     """entry_0 = 0, entry_{s+1} = exp(segment log decay) entry_s + end_s, with partial state tiles; the
-    returned table holds each chunk's decay from its segment's start (a partial last segment and chunk)."""
+    returned table holds each chunk's decay from its segment's start (a partial last segment and chunk).  Both
+    folds: the serial walk over the segments and the one associative scan over them (a partial tile of segments
+    at 3, sixteen segments, where its state tiles narrow to 256 elements)."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H, N, P = 2, 2, 24, 48  # N * P = 1152: one full and one partial tile of 1024
     nch = math.ceil(S / C)
@@ -63,7 +67,7 @@ def test_segment_entry_states(request, S, C, chunks_per_segment, n_segments):
     ends = torch.randn((B, H, n_segments, N, P), generator=gen, dtype=torch.float32)
     seg_state = ends.clone().to(DEVICE)
     entry_decay = segment_entry_states(seg_state=seg_state, da_cs=da_cs.to(DEVICE), chunk_size=C,
-                                       chunks_per_segment=chunks_per_segment)
+                                       chunks_per_segment=chunks_per_segment, one_scan=one_scan)
     assert entry_decay.shape == (B, H, nch) and entry_decay.dtype == torch.float32
     chunk_log_decay = da_cs[..., [min(c * C + C - 1, S - 1) for c in range(nch)]].double()
     for c in range(nch):

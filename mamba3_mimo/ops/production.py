@@ -180,6 +180,10 @@ class ScanConfig:
     last ones finish, ask for what they can (inputs, tables written further back) and wait for it before reading its
     output, which takes the launch gap and the programs' start off each of the call's four to six kernel boundaries.
     Untimed, off by default (docs/optimization.md section 40).
+    fold_one_scan: with local states, the segment fold (``segment_entry_states``) takes every segment's end state at
+    once and runs one associative scan over the segments, instead of a serial walk that waits on a load and a store a
+    segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  Untimed, off by
+    default (docs/optimization.md section 40).
     """
 
     block_p: int
@@ -215,6 +219,7 @@ class ScanConfig:
     gluon_gate: bool = False
     gluon_segments: int = 0
     pdl: bool = False
+    fold_one_scan: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -539,7 +544,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 seg_entry = chunk_local_states(**scan, states=handoff, span_chunks=config.state_span_chunks)
             entry_decay = segment_entry_states(seg_state=seg_entry, da_cs=da_cs, chunk_size=chunk_size,
                                                chunks_per_segment=chunks_per_segment,
-                                               precise_exp=precise_exp(dot_dtype, da_cs))
+                                               precise_exp=precise_exp(dot_dtype, da_cs),
+                                               one_scan=config.fold_one_scan)
         elif gluon:
             seg_end = gluon.gluon_segment_end_states(**scan)
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
