@@ -25,7 +25,7 @@ for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
               c["out_num_warps"], c["out_block_p"], c["out_max_registers"], c.get("gate_tokens"), "dg" if c.get("d_in_gate") else "-",
               c.get("gate_tile_elements"), c.get("gate_num_warps"), f"n{c['block_half']}x{c['n_segments']}",
               "skip" if c.get("scan_skip_unrotated") else "-", "flat" if c.get("flat_tables") else "-",
-              "pdl" if c.get("pdl") else "-",
+              "pdl" if c.get("pdl") else "-", "fold1" if c.get("fold_one_scan") else "-",
               "+".join(k for k in ("scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
                                    "scan_prefetch") if c.get(k)) or "-",
               round(r["graph_ms"] * 1e3),

@@ -608,6 +608,21 @@ def test_official_pdl_changes_no_output(shape, z):
             assert a is None or torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", GRID_SHAPES)
+@pytest.mark.gpu
+@requires_cuda
+def test_official_fold_one_scan_with_pdl(check_kernel, shape):
+    """The official shapes with the two knobs of section 40 on: the segment fold as one scan over the segments
+    (where local states run) and programmatic dependent launch, against the reference at full size."""
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           **sizes)
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=dataclasses.replace(chosen, fold_one_scan=True, pdl=True), **sizes)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_chunk_scan_refuses_the_miscompiled_tile(device):
