@@ -10,8 +10,8 @@
 # part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
 # gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
 # shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
-# programmatic dependent launch and the segment fold as one scan.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|21 bash benchmarks/sweep_prepared.sh
+# programmatic dependent launch; part 22 the segment fold as one scan.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -269,14 +269,18 @@ case "${PART:-1}" in
       -k "pdl or fold_one_scan" 2>&1 | tail -n 6
     sweep pdl CASES="$ALL_CASES" KNOBS="pdl=0:1"
     sweep pdl_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" KNOBS="pdl=0:1"
+    ;;
+  22)
     # The segment fold as one scan (section 40): predicted segment_entry 5-10 -> ~3 us on the local-state shapes, and
-    # then more segments no longer cost a serial step each (the fold took 4 / 15-20 / 36-50 us at 2 / 4 / 8 segments).
+    # then more segments no longer cost a serial step each (the fold took 4 / 15-20 / 36-50 us at 2 / 4 / 8 segments
+    # at N = 64, 33 / 87 us at R1_C64 without Z).  Its GPU tests ran in part 21's first step.
     sweep fold_one_scan CASES="N16_P64_R4_C8 N64_P64_R4_C16 N128_P64_R4_C16 N128_P64_R8_C8 N128_P64_R1_C64" \
       KNOBS="fold_one_scan=0:1,fold_one_scan=1+pdl=1"
-    sweep fold_segments CASES="N64_P64_R4_C16 N64_P128_R4_C16 N128_P64_R4_C16" KNOBS="fold_one_scan=1+n_segments=4:8"
+    sweep fold_segments CASES="N64_P64_R4_C16 N64_P128_R4_C16 N128_P64_R4_C16 N128_P64_R1_C64" \
+      KNOBS="fold_one_scan=1+n_segments=8:16"
     ;;
   *)
-    echo "PART must be 1 to 21" >&2
+    echo "PART must be 1 to 22" >&2
     exit 2
     ;;
 esac
