@@ -63,7 +63,7 @@ def test_dependent_launches_mark_the_kernels_that_wait(monkeypatch):
 
 
 def test_pdl_is_inert_off_the_gpu(monkeypatch):
-    """``ScanConfig.pdl`` needs a CUDA device of compute capability 9.0 or later: under the interpreter no launch
+    """``ScanConfig.pdl`` needs a Hopper GPU: under the interpreter no launch
     asks for it (the wait is inline PTX) and the outputs are bit for bit those without it."""
     from conftest import assert_knob_inert
 

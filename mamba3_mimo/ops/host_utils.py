@@ -61,8 +61,10 @@ def compiled_for_gpu(tensor):
 
 def dependent_launch_supported(tensor):
     """True where a call on ``tensor``'s device may use programmatic dependent launch (``launch.dependent_launches``):
-    compiled for the GPU, compute capability 9.0 or later."""
-    return compiled_for_gpu(tensor) and _capability_major(tensor.device.index) >= 9
+    compiled for a Hopper GPU (compute capability 9.x), the only kind it has been built for and checked on.  Later
+    GPUs have the instructions too, but graph capture with the launch attribute is reported to fail on sm_120
+    (sgl-project/sglang#18596), and nothing here has run there."""
+    return compiled_for_gpu(tensor) and _capability_major(tensor.device.index) == 9
 
 
 @functools.lru_cache(maxsize=None)

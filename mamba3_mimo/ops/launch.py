@@ -67,7 +67,7 @@ _dependent = contextvars.ContextVar("mamba3_mimo_dependent_launches", default=Fa
 @contextlib.contextmanager
 def dependent_launches(enabled=True):
     """Launches in this block with programmatic dependent launch where the kernel declares ``GDC`` (module
-    docstring).  Only for CUDA devices of compute capability 9.0 or later (``host_utils.dependent_launch_supported``):
+    docstring).  Only for Hopper GPUs (``host_utils.dependent_launch_supported``):
     the wait is inline PTX, which the interpreter cannot run."""
     token = _dependent.set(bool(enabled))
     try:

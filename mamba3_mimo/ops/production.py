@@ -176,7 +176,7 @@ class ScanConfig:
     needs no end-state pass; the Triton scans, which need programs in flight to hide their loads, keep n_segments
     (docs/optimization.md section 39).
     pdl: every kernel of the call with programmatic dependent launch (``launch.dependent_launches``; CUDA devices of
-    compute capability 9.0 or later, inert elsewhere): a kernel's programs are scheduled while the previous kernel's
+    Hopper GPUs, inert elsewhere): a kernel's programs are scheduled while the previous kernel's
     last ones finish, ask for what they can (inputs, tables written further back) and wait for it before reading its
     output, which takes the launch gap and the programs' start off each of the call's four to six kernel boundaries.
     Untimed, off by default (docs/optimization.md section 40).
