@@ -26,7 +26,7 @@ want() { [[ " $PARTS " == *" $1 "* ]]; }
 # The tests run every call's wrappers and check its launches against its launch plan (ops/launch.py); the
 # replay itself runs in tests/test_launch.py, the sanitizer's driver and the benchmark.
 export MAMBA3_MIMO_CHECK_PLAN=1
-want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:warnings -rf \
+want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:warnings -rf \
   tests/test_kernels.py -k "(test_official_grid and not fused) or test_production_split_gate or \
   test_production_configs or test_production_local_states or half_rotation or miscompiled or two_pass_scan_segments or \
   pdl or fold_one_scan" \

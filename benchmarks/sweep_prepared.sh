@@ -260,20 +260,17 @@ case "${PART:-1}" in
     ;;
   21)
     # Programmatic dependent launch (section 40): each kernel's programs are scheduled while the previous kernel's last
-    # ones finish and wait before their first load.  Predicted -3 to -6 us a call (graph), the launch gap and the
-    # programs' start at each of five kernel boundaries: -1 to -2% at N <= 64, under 1% at N256 / N128_P128.  First
-    # the GPU tests of the knob (bitwise against the same config without it on the quick grid, with and without Z;
-    # captured in a CUDA graph and replayed; deterministic), then pdl=0:1 on every official shape with Z and on three
-    # without.
-    timeout 240 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py tests/test_robustness.py \
-      -k "pdl or fold_one_scan" 2>&1 | tail -n 6
+    # ones finish and wait before reading its output.  Predicted -3 to -6 us a call (graph), the launch gap and the
+    # programs' start at each of five kernel boundaries: -1 to -2% at N <= 64, under 1% at N256 / N128_P128.  Its GPU
+    # tests (and the one-scan fold's) are in final_gpu.sh's tests and unit parts, which run first; here pdl=0:1 on
+    # every official shape with Z and on three without.
     sweep pdl CASES="$ALL_CASES" KNOBS="pdl=0:1"
     sweep pdl_noz NOZ=1 CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8" KNOBS="pdl=0:1"
     ;;
   22)
     # The segment fold as one scan (section 40): predicted segment_entry 5-10 -> ~3 us on the local-state shapes, and
     # then more segments no longer cost a serial step each (the fold took 4 / 15-20 / 36-50 us at 2 / 4 / 8 segments
-    # at N = 64, 33 / 87 us at R1_C64 without Z).  Its GPU tests ran in part 21's first step.
+    # at N = 64, 33 / 87 us at R1_C64 without Z).  Its GPU test is in final_gpu.sh's tests part.
     sweep fold_one_scan CASES="N16_P64_R4_C8 N64_P64_R4_C16 N128_P64_R4_C16 N128_P64_R8_C8 N128_P64_R1_C64" \
       KNOBS="fold_one_scan=0:1,fold_one_scan=1+pdl=1"
     sweep fold_segments CASES="N64_P64_R4_C16 N64_P128_R4_C16 N128_P64_R4_C16 N128_P64_R1_C64" \
