@@ -184,6 +184,11 @@ class ScanConfig:
     once and runs one associative scan over the segments, instead of a serial walk that waits on a load and a store a
     segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  Untimed, off by
     default (docs/optimization.md section 40).
+    out_pipeline_stages: with split_gate and the raw_y scratch (not ``gate_in_scan``), ``chunk_scan``'s programs walk
+    their ``chunks_per_program`` spans in a loop that Triton software-pipelines with this many stages (0: unrolled, as
+    before): the next spans' loads go out asynchronously into shared memory while a span computes, where a program
+    otherwise waits on its loads at its start.  At 2 stages the shared memory of chunk_scan grows from 12-32 to 38-72 KB
+    at N <= 64 (140 KB at N = 128, past the 99 KB bound).  Untimed, off by default (docs/optimization.md section 40).
     """
 
     block_p: int
@@ -220,6 +225,7 @@ class ScanConfig:
     gluon_segments: int = 0
     pdl: bool = False
     fold_one_scan: bool = False
+    out_pipeline_stages: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -228,6 +234,8 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
         if self.gluon_segments < 0:
             raise ValueError(f"ScanConfig.gluon_segments must be >= 0, got {self.gluon_segments}")
+        if self.out_pipeline_stages < 0:
+            raise ValueError(f"ScanConfig.out_pipeline_stages must be >= 0, got {self.out_pipeline_stages}")
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -581,7 +589,8 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
                                           dtype=torch.float32)
             chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
-                       max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+                       max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program,
+                       pipeline_stages=config.out_pipeline_stages)
             skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
             gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout, z=z,
                         mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens, **skip)
