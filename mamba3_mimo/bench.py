@@ -245,6 +245,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         pdl=[False, True],
         fold_one_scan=[False, True],
         out_pipeline_stages=[0, 2, 3],
+        scan_pipeline_stages=[0, 2, 3],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

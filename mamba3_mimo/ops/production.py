@@ -189,6 +189,10 @@ class ScanConfig:
     before): the next spans' loads go out asynchronously into shared memory while a span computes, where a program
     otherwise waits on its loads at its start.  At 2 stages the shared memory of chunk_scan grows from 12-32 to 38-72 KB
     at N <= 64 (140 KB at N = 128, past the 99 KB bound).  Untimed, off by default (docs/optimization.md section 40).
+    scan_pipeline_stages: the Triton state scans' steps in a loop Triton software-pipelines with this many stages (0:
+    a plain loop): each step's loads go out as cp.async into shared memory a step ahead, what ``scan_prefetch`` does
+    in registers.  At 2 stages N16 / N32 keep their 96 registers (five programs an SM) with 8 -> 28.5 KB of shared
+    memory.  The Gluon scan has its own TMA ring.  Untimed, off by default (docs/optimization.md section 40).
     """
 
     block_p: int
@@ -226,6 +230,7 @@ class ScanConfig:
     pdl: bool = False
     fold_one_scan: bool = False
     out_pipeline_stages: int = 0
+    scan_pipeline_stages: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -234,8 +239,9 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
         if self.gluon_segments < 0:
             raise ValueError(f"ScanConfig.gluon_segments must be >= 0, got {self.gluon_segments}")
-        if self.out_pipeline_stages < 0:
-            raise ValueError(f"ScanConfig.out_pipeline_stages must be >= 0, got {self.out_pipeline_stages}")
+        for name in ("out_pipeline_stages", "scan_pipeline_stages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ScanConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -522,7 +528,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                     block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                     dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
                     prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
-                    rotation_math_dtype=scan_rotation)
+                    rotation_math_dtype=scan_rotation, pipeline_stages=config.scan_pipeline_stages)
         # The output stage reads the states back; when ``states`` is stored coarser than the inputs
         # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
         input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
