@@ -243,7 +243,9 @@ def _chunk_scan_kernel(
     # A program takes SPANS_PER_PROGRAM spans one after the other; spans past the sequence are fully masked.
     if PIPELINE_STAGES:
         # A loop Triton software-pipelines: the next spans' loads go out asynchronously into shared memory
-        # (cp.async) while this span computes, instead of a program waiting on its loads at its start.
+        # (cp.async) while this span computes, instead of a program waiting on its loads at its start.  The pipeliner
+        # moves loads across iterations, so under programmatic dependent launch the wait comes before the loop.
+        wait_for_previous_grid(GDC)
         for span in tl.range(first_span, first_span + SPANS_PER_PROGRAM, num_stages=PIPELINE_STAGES):
             _span_to_scratch(
                 q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
@@ -251,7 +253,7 @@ def _chunk_scan_kernel(
                 qk_dot_ptr, raw_y_ptr, raw_y_scale_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
                 pid_p, span, bh, C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY,
                 HAS_D, DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, SCALED_RAW_Y,
-                PRECISE_EXP, GDC)
+                PRECISE_EXP, False)
     else:
         # Unrolled: the next span's loads can overlap this one's products, in registers.
         for step in tl.static_range(SPANS_PER_PROGRAM):
