@@ -132,7 +132,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
-             "gluon_scan", "gluon_gate", "gluon_segments", "out_max_registers", "n_segments")
+             "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "out_max_registers", "n_segments")
     assert not any(getattr(plain, name) for name in knobs[:-2])
     gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
     assert config.n_segments == (2 * 132 // gluon_programs if parse_case(case)["N"] == 64 and config.local_states
@@ -149,8 +149,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     R, P = parse_case(case)["R"], parse_case(case)["P"]
     assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8) and P <= 64)
     assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64)
-    # The Gluon two-pass scan's own segment count waits for a GPU sweep (section 39): n_segments everywhere.
-    assert config.gluon_segments == 0
+    # The Gluon two-pass scan in one segment, and the one-scan fold with local states (timed on an H100, section 40).
+    assert config.gluon_segments == (0 if config.local_states else 1)
+    assert config.fold_one_scan is config.local_states
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

@@ -174,7 +174,8 @@ class ScanConfig:
     gluon_segments: the two-pass schedule's segment count where the Gluon scan runs it (0: n_segments).  Its storing
     pass is held by the memory, so one program an SM walking every chunk stores as fast as two an SM, and one segment
     needs no end-state pass; the Triton scans, which need programs in flight to hide their loads, keep n_segments
-    (docs/optimization.md section 39).
+    (docs/optimization.md section 39).  With ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets 1 on the two-pass shapes
+    (H100: N256 767 -> 695 us, N128_P128 778 -> 697; section 40).
     pdl: every kernel of the call with programmatic dependent launch (``launch.dependent_launches``; CUDA devices of
     Hopper GPUs, inert elsewhere): a kernel's programs are scheduled while the previous kernel's
     last ones finish, ask for what they can (inputs, tables written further back) and wait for it before reading its
@@ -182,8 +183,8 @@ class ScanConfig:
     Untimed, off by default (docs/optimization.md section 40).
     fold_one_scan: with local states, the segment fold (``segment_entry_states``) takes every segment's end state at
     once and runs one associative scan over the segments, instead of a serial walk that waits on a load and a store a
-    segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  Untimed, off by
-    default (docs/optimization.md section 40).
+    segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  With
+    ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it with local states (H100: -0 to -4 us a call; section 40).
     out_pipeline_stages: with split_gate and the raw_y scratch (not ``gate_in_scan``), ``chunk_scan``'s programs walk
     their ``chunks_per_program`` spans in a loop that Triton software-pipelines with this many stages (0: unrolled, as
     before): the next spans' loads go out asynchronously into shared memory while a span computes, where a program
@@ -439,9 +440,12 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # (gate_grads 101 -> 108) and N128_P128 683 -> 691 (99 -> 107), where the H100 had them 1-3% faster; the H200's
     # bandwidth serves the Triton kernel's loads, and the Gluon one is held by its issue rate (section 39).
     gluon_gate = bool(swept and split_gate and not gate_in_scan and R in (4, 8) and p_pow <= 64)
-    # gluon_segments stays 0 (the Gluon scan at n_segments) until sweep_prepared.sh part 19 has timed one segment on
-    # the two-pass shapes (section 39: predicted N256 / N128_P128 -90 us, the end-state pass gone).
-    gluon_segments = 0
+    # The Gluon scan of the two-pass shapes in one segment: no end-state pass (section 39).  H100, d630d20, graph us:
+    # N256_P64_R4_C8 767 -> 695, N128_P128_R4_C8 778 -> 697 (a 32-wide P tile: 709 / 719) (section 40).
+    gluon_segments = 1 if swept and not local_states else 0
+    # The segment fold as one scan over the segments (section 40).  H100, d630d20, graph us: N16 256 -> 252,
+    # N128_P64_R4_C16 364 -> 361, R1_C64 158 -> 156, N64_P64 313 -> 313 (segment_entry 6-8 -> 3-5 us).
+    fold_one_scan = bool(swept and local_states)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
@@ -450,7 +454,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
                       d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
                       out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept,
-                      gluon_gate=gluon_gate, gluon_segments=gluon_segments)
+                      gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
