@@ -71,7 +71,7 @@ def test_pdl_is_inert_off_the_gpu(monkeypatch):
     from mamba3_mimo.ops.production import choose_config
 
     if torch.cuda.is_available():
-        pytest.skip("the knob is live on a GPU: test_official_pdl_changes_no_output checks it there")
+        pytest.skip("the knob is live on a GPU: test_official_pdl checks it there")
     options = []
     kernel_type = type(_token_tables_kernel)  # JITFunction, or the interpreter's stand-in for it
     run = kernel_type.run
@@ -93,7 +93,7 @@ def test_dependent_launch_code_paths_give_the_same_outputs(monkeypatch, knobs):
     """The kernels' code paths under ``ScanConfig.pdl`` (chunk_scan's tables asked for before its states, the segment
     fold's decay table before the fold, gate_grads' first dout / z / v before raw_y) compute what the plain paths do,
     bit for bit.  The interpreter runs those paths without the wait instruction (``triton_utils.INTERPRETED``); on the
-    GPU ``test_official_pdl_changes_no_output`` checks the same with the waits."""
+    GPU ``test_official_pdl`` checks the calls with the waits (accuracy, repeatability)."""
     from conftest import assert_knob_inert
 
     from mamba3_mimo.inputs import make_inputs
