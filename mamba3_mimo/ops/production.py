@@ -179,8 +179,8 @@ class ScanConfig:
     pdl: every kernel of the call with programmatic dependent launch (``launch.dependent_launches``; CUDA devices of
     Hopper GPUs, inert elsewhere): a kernel's programs are scheduled while the previous kernel's
     last ones finish, ask for what they can (inputs, tables written further back) and wait for it before reading its
-    output, which takes the launch gap and the programs' start off each of the call's four to six kernel boundaries.
-    Untimed, off by default (docs/optimization.md section 40).
+    output, which was to take the launch gap and the programs' start off each of the call's kernel boundaries.  Off:
+    on an H100 it moved calls -3% to +8% (a loss at N >= 128; docs/optimization.md section 40).
     fold_one_scan: with local states, the segment fold (``segment_entry_states``) takes every segment's end state at
     once and runs one associative scan over the segments, instead of a serial walk that waits on a load and a store a
     segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  With
@@ -189,11 +189,13 @@ class ScanConfig:
     their ``chunks_per_program`` spans in a loop that Triton software-pipelines with this many stages (0: unrolled, as
     before): the next spans' loads go out asynchronously into shared memory while a span computes, where a program
     otherwise waits on its loads at its start.  At 2 stages the shared memory of chunk_scan grows from 12-32 to 38-72 KB
-    at N <= 64 (140 KB at N = 128, past the 99 KB bound).  Untimed, off by default (docs/optimization.md section 40).
+    at N <= 64 (140 KB at N = 128, past the 99 KB bound).  Off: on an H100 chunk_scan took 113 -> 191 us at N16 and
+    152 -> 188 at N64_P64 (docs/optimization.md section 40).
     scan_pipeline_stages: the Triton state scans' steps in a loop Triton software-pipelines with this many stages (0:
     a plain loop): each step's loads go out as cp.async into shared memory a step ahead, what ``scan_prefetch`` does
     in registers.  At 2 stages N16 / N32 keep their 96 registers (five programs an SM) with 8 -> 28.5 KB of shared
-    memory.  The Gluon scan has its own TMA ring.  Untimed, off by default (docs/optimization.md section 40).
+    memory.  The Gluon scan has its own TMA ring.  Off: on an H100 the scan took 60 -> 127 us at N16 and 61 -> 204 at
+    N32 (docs/optimization.md section 40).
     """
 
     block_p: int
