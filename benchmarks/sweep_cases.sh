@@ -26,8 +26,6 @@ for f in sorted(glob.glob(os.environ.get("OUT", "gpu_out") + "/sw_*.json")):
               c.get("gate_tile_elements"), c.get("gate_num_warps"), f"n{c['block_half']}x{c['n_segments']}",
               "skip" if c.get("scan_skip_unrotated") else "-", "flat" if c.get("flat_tables") else "-",
               "pdl" if c.get("pdl") else "-", "fold1" if c.get("fold_one_scan") else "-",
-              f"pipe{c['out_pipeline_stages']}x{c['chunks_per_program']}" if c.get("out_pipeline_stages") else "-",
-              f"scanpipe{c['scan_pipeline_stages']}" if c.get("scan_pipeline_stages") else "-",
               "+".join(k for k in ("scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
                                    "scan_prefetch") if c.get(k)) or "-",
               round(r["graph_ms"] * 1e3),

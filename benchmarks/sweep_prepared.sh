@@ -10,9 +10,8 @@
 # part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
 # gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
 # shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
-# programmatic dependent launch; part 22 the segment fold as one scan; part 23 chunk_scan and the Triton state
-# scan software-pipelined.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|23 bash benchmarks/sweep_prepared.sh
+# programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40).
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -277,25 +276,8 @@ case "${PART:-1}" in
     sweep fold_segments CASES="N64_P64_R4_C16 N64_P128_R4_C16 N128_P64_R4_C16 N128_P64_R1_C64" \
       KNOBS="fold_one_scan=1+n_segments=8:16"
     ;;
-  23)
-    # chunk_scan's spans in a software-pipelined loop (section 40): each program walks 4 or 8 spans and Triton issues
-    # the next spans' loads as cp.async into shared memory while a span computes.  Three programs an SM at a
-    # 168-register cap (16-64 B of spill) against today's four that each wait on their loads at their start; shared
-    # memory 38-72 KB.  Not predicted beyond a sign: chunk_scan -10% to +10%.  The GPU test first (full size, the three
-    # shapes where it fits in 99 KB), then the sweep.
-    # Then the Triton state scan's steps pipelined the same way (N16 / N32, where it runs): at 2 stages it keeps its 96
-    # registers and five programs an SM with 28.5 KB of shared memory, each step's loads in flight a step ahead.
-    # Section 22's register prefetch shortened a step 23-30% where residency held: predicted scan -20 to -30% (N16
-    # 63 -> ~45-50 us), -5 to -7% of the call.
-    timeout 240 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py -k "test_official_pipelined" 2>&1 \
-      | tail -n 4
-    sweep pipelined_chunk_scan CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" \
-      KNOBS="out_pipeline_stages=2+chunks_per_program=4:8+out_max_registers=168,chunks_per_program=4"
-    sweep pipelined_scan CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="scan_pipeline_stages=2:3"
-    sweep pipelined_scan_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="scan_pipeline_stages=2:3"
-    ;;
   *)
-    echo "PART must be 1 to 23" >&2
+    echo "PART must be 1 to 22" >&2
     exit 2
     ;;
 esac

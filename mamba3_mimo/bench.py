@@ -244,8 +244,6 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gluon_segments=[0, 1, 2],
         pdl=[False, True],
         fold_one_scan=[False, True],
-        out_pipeline_stages=[0, 2, 3],
-        scan_pipeline_stages=[0, 2, 3],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -161,17 +161,6 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, local_states=True, split_gate=True,
                fold_one_scan=True),
     ScanConfig(block_p=16, n_segments=8, out_block_p=16, local_states=True, fold_one_scan=True),
-    # chunk_scan's spans in a software-pipelined loop: three spans a program (the last program's past the sequence),
-    # two and three stages.
-    ScanConfig(block_p=32, n_segments=2, out_block_p=32, local_states=True, split_gate=True, chunks_per_program=3,
-               out_pipeline_stages=2),
-    ScanConfig(block_p=32, n_segments=1, out_block_p=16, split_gate=True, chunks_per_program=2,
-               out_pipeline_stages=3),
-    # The state scans' steps software-pipelined: local states, and two passes with the end-state pass in spans of 2
-    # and the storing pass two chunks a step.
-    ScanConfig(block_p=16, n_segments=3, out_block_p=16, local_states=True, split_gate=True, scan_pipeline_stages=2),
-    ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, end_span_chunks=2, state_span_chunks=2,
-               scan_pipeline_stages=3),
 ]
 
 
@@ -179,9 +168,7 @@ PRODUCTION_CONFIGS = [
                          f"o{c.out_block_p}-g{c.chunks_per_program}" + ("-pf" if c.scan_prefetch else "")
                          + ("-epf" if c.end_scan_prefetch else "")
                          + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else "")
-                         + ("-local" if c.local_states else "") + ("-fold1" if c.fold_one_scan else "")
-                         + (f"-pipe{c.out_pipeline_stages}" if c.out_pipeline_stages else "")
-                         + (f"-scanpipe{c.scan_pipeline_stages}" if c.scan_pipeline_stages else ""))
+                         + ("-local" if c.local_states else "") + ("-fold1" if c.fold_one_scan else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""
@@ -637,26 +624,6 @@ def test_official_fold_one_scan_with_pdl(check_kernel, shape):
                            **sizes)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=dataclasses.replace(chosen, fold_one_scan=True, pdl=True), **sizes)
-
-
-@pytest.mark.parametrize("shape", ["N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16"])
-@pytest.mark.parametrize("knobs", [dict(chunks_per_program=4, out_pipeline_stages=2, out_max_registers=168),
-                                   dict(chunks_per_program=8, out_pipeline_stages=2, out_max_registers=168),
-                                   dict(scan_pipeline_stages=2), dict(scan_pipeline_stages=3)],
-                         ids=["spans4", "spans8", "scan2", "scan3"])
-@pytest.mark.gpu
-@requires_cuda
-def test_official_pipelined(check_kernel, shape, knobs):
-    """chunk_scan's spans (``out_pipeline_stages``) and the Triton state scan's steps (``scan_pipeline_stages``) in
-    software-pipelined loops (section 40), at full size against the reference: the shapes where chunk_scan's shared
-    memory stays within 99 KB (the Triton scan runs at N16 / N32; at N64_P64 the Gluon one, where the knob is inert)."""
-    from mamba3_mimo.ops.production import choose_config
-
-    sizes = parse_shape(shape)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           **sizes)
-    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
-                 ref_device="kernel", config=dataclasses.replace(chosen, **knobs), **sizes)
 
 
 @pytest.mark.gpu

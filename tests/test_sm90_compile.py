@@ -39,9 +39,6 @@ PDL_CALLS = {
     "two-pass-fused": dict(block_p=16, n_segments=2, out_block_p=32),
     "gate-in-scan-fold1": dict(block_p=16, n_segments=3, out_block_p=32, local_states=True, split_gate=True,
                                gate_in_scan=True, fold_one_scan=True),
-    # software-pipelined loops, whose loads the pipeliner moves across iterations: chunk_scan waits before its loop
-    "pipelined": dict(block_p=16, n_segments=3, out_block_p=32, local_states=True, split_gate=True,
-                      chunks_per_program=2, out_pipeline_stages=2, scan_pipeline_stages=2),
 }
 PDL_KERNELS = {"token_tables", "flat_token_tables", "state_scan", "segment_entry", "segment_entry_scan", "chunk_scan",
                "chunk_scan_gate", "gate_grads", "chunk_output", "group_sum"}
@@ -186,7 +183,7 @@ def test_dependent_launches_wait_before_their_first_load(compiled, call):
         partitions = 2 if name.startswith("gluon_scan") else 1
         if name.split("#")[0] in WRITTEN_BY_PREDECESSOR:
             # These ask for the call's inputs (and tables written further back) before the wait: chunk_scan its
-            # rotation tables (not in its pipelined loop, which waits first), the segment fold its decay table,
+            # rotation tables, the segment fold its decay table,
             # gate_grads its dout / z / v; what the launch just before writes (states and segment entries, seg_state,
             # raw_y) only after it.
             assert summary["accesses"] > 0 and summary["early_accesses"] == 0, name

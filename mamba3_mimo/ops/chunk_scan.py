@@ -195,36 +195,6 @@ def _span_raw_y(
 
 
 @triton.jit
-def _span_to_scratch(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
-    raw_y_ptr, raw_y_scale_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
-    ROTATION_DTYPE: tl.constexpr, SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr,
-):
-    """One span's raw_y into the scratch (and its row scales), and P tile 0's qk_dot."""
-    raw_y, t_rows, row_r, row_mask, offs_p, p_mask = _span_raw_y(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-        da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
-        S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-        C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-        DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
-    # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
-    seq_rows = bh * S * R + t_rows * R + row_r
-    if SCALED_RAW_Y:
-        # fp16 with a power of two per row and P tile (raw_y_scale [B, H, S, R, P tiles] holds its inverse):
-        # half the bytes of fp32 each way, at 2^-12 relative where bf16 (2^-9) failed dz's dual benchmark.
-        raw_y, row_unscale = fp16_row_scaled(raw_y)
-    y_offs = seq_rows[:, None] * P + offs_p[None, :]
-    tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
-    if SCALED_RAW_Y:
-        tl.store(raw_y_scale_ptr + seq_rows * tl.num_programs(0) + pid_p, row_unscale, mask=row_mask)
-
-
-@triton.jit
 def _chunk_scan_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
@@ -235,35 +205,31 @@ def _chunk_scan_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
-    GDC: tl.constexpr = False, PIPELINE_STAGES: tl.constexpr = 0,
+    GDC: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
-    # A program takes SPANS_PER_PROGRAM spans one after the other; spans past the sequence are fully masked.
-    if PIPELINE_STAGES:
-        # A loop Triton software-pipelines: the next spans' loads go out asynchronously into shared memory
-        # (cp.async) while this span computes, instead of a program waiting on its loads at its start.  The pipeliner
-        # moves loads across iterations, so under programmatic dependent launch the wait comes before the loop.
-        wait_for_previous_grid(GDC)
-        for span in tl.range(first_span, first_span + SPANS_PER_PROGRAM, num_stages=PIPELINE_STAGES):
-            _span_to_scratch(
-                q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-                da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr,
-                qk_dot_ptr, raw_y_ptr, raw_y_scale_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-                pid_p, span, bh, C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY,
-                HAS_D, DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, SCALED_RAW_Y,
-                PRECISE_EXP, False)
-    else:
-        # Unrolled: the next span's loads can overlap this one's products, in registers.
-        for step in tl.static_range(SPANS_PER_PROGRAM):
-            _span_to_scratch(
-                q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-                da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr,
-                qk_dot_ptr, raw_y_ptr, raw_y_scale_ptr, S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-                pid_p, first_span + step, bh, C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS,
-                ADD_ENTRY, HAS_D, DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE,
-                SCALED_RAW_Y, PRECISE_EXP, GDC)
+    # A program takes SPANS_PER_PROGRAM spans one after the other (unrolled: the next span's loads can
+    # overlap this one's products); spans past the sequence are fully masked.
+    for step in tl.static_range(SPANS_PER_PROGRAM):
+        raw_y, t_rows, row_r, row_mask, offs_p, p_mask = _span_raw_y(
+            q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
+            da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
+            S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
+        # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
+        seq_rows = bh * S * R + t_rows * R + row_r
+        if SCALED_RAW_Y:
+            # fp16 with a power of two per row and P tile (raw_y_scale [B, H, S, R, P tiles] holds its inverse):
+            # half the bytes of fp32 each way, at 2^-12 relative where bf16 (2^-9) failed dz's dual benchmark.
+            raw_y, row_unscale = fp16_row_scaled(raw_y)
+        y_offs = seq_rows[:, None] * P + offs_p[None, :]
+        tl.store(raw_y_ptr + y_offs, raw_y.to(raw_y_ptr.dtype.element_ty), mask=row_mask[:, None] & p_mask[None, :])
+        if SCALED_RAW_Y:
+            tl.store(raw_y_scale_ptr + seq_rows * tl.num_programs(0) + pid_p, row_unscale, mask=row_mask)
+
 
 
 @triton.jit
@@ -345,7 +311,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
-               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, pipeline_stages=0):
+               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -357,8 +323,6 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     in the gate's fp32 math rather than after the products.  ``q_cast_early`` and ``y_state_early`` reorder the
     products for fewer live registers (same arithmetic; see ``ScanConfig``).  ``rotation_math_dtype``: the dtype of
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
-    ``pipeline_stages`` (raw_y form only; 0: unrolled): a program's spans in a loop that Triton software-pipelines
-    with that many stages, the next spans' loads in flight into shared memory (which they double at 2 stages).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -406,7 +370,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,
-               SCALED_RAW_Y=scaled, **({"PIPELINE_STAGES": pipeline_stages} if pipeline_stages else {}))
+               SCALED_RAW_Y=scaled)
         return None
     has_z = z is not None
     dphi = torch.empty((B, H, n_spans, R, P), device=q.device, dtype=torch.float32)

@@ -79,7 +79,7 @@ def _state_scan_kernel(
     SPAN_CHUNKS: tl.constexpr, STORE_STATES: tl.constexpr, FOLD_EARLIER: tl.constexpr, STORE_END: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, SKIP_UNROTATED: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
-    GDC: tl.constexpr = False, PIPELINE_STAGES: tl.constexpr = None,
+    GDC: tl.constexpr = False,
 ):
     wait_for_previous_grid(GDC)
     HALF: tl.constexpr = N // 2
@@ -144,9 +144,7 @@ def _state_scan_kernel(
             k_seq, v_seq, cos_seq, sin_seq, da_cs_seq, da_rev_seq, gamma_seq, trap_scale_seq, t_next,
             seg * CHUNKS_PER_SEG * C, row_r, row_valid & (t_next < S), offs_half, half_mask, offs_p, p_mask,
             S, H, G, C, R, N, P, RD, SPAN_CHUNKS, ONE_PRODUCT)
-    # PIPELINE_STAGES (None: the launch's one stage): Triton software-pipelines the steps, each step's loads issued
-    # as cp.async into shared memory one step ahead, where PREFETCH holds them in registers.
-    for i in tl.range(0, n_steps, num_stages=PIPELINE_STAGES):
+    for i in range(0, n_steps):
         c = seg * CHUNKS_PER_SEG + i * SPAN_CHUNKS  # first chunk of the span
         t0 = c * C
         t_rows = t0 + row_t
@@ -223,7 +221,7 @@ def scan_meta(*, chunk_size, R, N, block_half, block_p, span_chunks=1):
 def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, seg_state, states,
             chunk_size, n_segments, chunks_per_segment, block_half, block_p, dot_dtype, dot_precision,
             num_warps, store_states, fold_earlier, store_end, segments_launched, span_chunks=1, max_registers=0,
-            prefetch=False, skip_unrotated=False, rotation_math_dtype=tl.float32, pipeline_stages=0):
+            prefetch=False, skip_unrotated=False, rotation_math_dtype=tl.float32):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     if chunks_per_segment % span_chunks:
@@ -239,7 +237,7 @@ def _launch(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, g
         STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PREFETCH=prefetch, SKIP_UNROTATED=skip_unrotated,
         ROTATION_DTYPE=rotation_math_dtype, PRECISE_EXP=host_utils.precise_exp(dot_dtype, k),
-        num_warps=num_warps, num_stages=1, **({"PIPELINE_STAGES": pipeline_stages} if pipeline_stages else {}),
+        num_warps=num_warps, num_stages=1,
         **({'maxnreg': max_registers} if max_registers else {}),
     )
 
@@ -260,9 +258,8 @@ def segment_end_states(*, n_segments, span_chunks=1, **scan_args):
         dot_dtype, dot_precision, num_warps, max_registers (a register cap per thread, 0: the compiler's
         choice), prefetch (issue each step's loads one step ahead), skip_unrotated (programs whose N/2 tile lies
         past the rotary dims branch around the rotation), rotation_math_dtype (the dtype of k's bias add and
-        rotation: tl.float32, or the products' half dtype, ``host_utils.rotation_math_dtype``), pipeline_stages (0: a
-        plain loop; k: Triton software-pipelines the steps with k stages, their loads as cp.async into shared memory);
-        chunks_per_segment must be a multiple of span_chunks.
+        rotation: tl.float32, or the products' half dtype, ``host_utils.rotation_math_dtype``); chunks_per_segment
+        must be a multiple of span_chunks.
     Returns:
         seg_state: [B, H, n_segments, N, P] fp32 (entry ``n_segments - 1`` is never written), or
         None with a single segment (nothing to fold).

@@ -176,8 +176,8 @@ class ScanConfig:
     needs no end-state pass; the Triton scans, which need programs in flight to hide their loads, keep n_segments
     (docs/optimization.md section 39).  With ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets 1 on the two-pass shapes
     (H100: N256 767 -> 695 us, N128_P128 778 -> 697; section 40).
-    pdl: every kernel of the call with programmatic dependent launch (``launch.dependent_launches``; CUDA devices of
-    Hopper GPUs, inert elsewhere): a kernel's programs are scheduled while the previous kernel's
+    pdl: every kernel of the call with programmatic dependent launch (``launch.dependent_launches``; Hopper GPUs,
+    inert elsewhere): a kernel's programs are scheduled while the previous kernel's
     last ones finish, ask for what they can (inputs, tables written further back) and wait for it before reading its
     output, which was to take the launch gap and the programs' start off each of the call's kernel boundaries.  Off:
     on an H100 it moved calls -3% to +8% (a loss at N >= 128; docs/optimization.md section 40).
@@ -185,17 +185,6 @@ class ScanConfig:
     once and runs one associative scan over the segments, instead of a serial walk that waits on a load and a store a
     segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  With
     ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it with local states (H100: -0 to -4 us a call; section 40).
-    out_pipeline_stages: with split_gate and the raw_y scratch (not ``gate_in_scan``), ``chunk_scan``'s programs walk
-    their ``chunks_per_program`` spans in a loop that Triton software-pipelines with this many stages (0: unrolled, as
-    before): the next spans' loads go out asynchronously into shared memory while a span computes, where a program
-    otherwise waits on its loads at its start.  At 2 stages the shared memory of chunk_scan grows from 12-32 to 38-72 KB
-    at N <= 64 (140 KB at N = 128, past the 99 KB bound).  Off: on an H100 chunk_scan took 113 -> 191 us at N16 and
-    152 -> 188 at N64_P64 (docs/optimization.md section 40).
-    scan_pipeline_stages: the Triton state scans' steps in a loop Triton software-pipelines with this many stages (0:
-    a plain loop): each step's loads go out as cp.async into shared memory a step ahead, what ``scan_prefetch`` does
-    in registers.  At 2 stages N16 / N32 keep their 96 registers (five programs an SM) with 8 -> 28.5 KB of shared
-    memory.  The Gluon scan has its own TMA ring.  Off: on an H100 the scan took 60 -> 127 us at N16 and 61 -> 204 at
-    N32 (docs/optimization.md section 40).
     """
 
     block_p: int
@@ -232,8 +221,6 @@ class ScanConfig:
     gluon_segments: int = 0
     pdl: bool = False
     fold_one_scan: bool = False
-    out_pipeline_stages: int = 0
-    scan_pipeline_stages: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -242,9 +229,6 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
         if self.gluon_segments < 0:
             raise ValueError(f"ScanConfig.gluon_segments must be >= 0, got {self.gluon_segments}")
-        for name in ("out_pipeline_stages", "scan_pipeline_stages"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"ScanConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScanConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -534,7 +518,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                     block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
                     dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
                     prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
-                    rotation_math_dtype=scan_rotation, pipeline_stages=config.scan_pipeline_stages)
+                    rotation_math_dtype=scan_rotation)
         # The output stage reads the states back; when ``states`` is stored coarser than the inputs
         # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
         input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
@@ -601,8 +585,7 @@ def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
                                           dtype=torch.float32)
             chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
-                       max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program,
-                       pipeline_stages=config.out_pipeline_stages)
+                       max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
             skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
             gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout, z=z,
                         mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens, **skip)
