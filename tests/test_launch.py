@@ -40,6 +40,16 @@ def test_trailing_args_take_kwargs_then_defaults():
                                      dict(BLOCK_T=torch.zeros(1), BLOCK_RD=16, ANGLE_ROWS=32, FAST_TRIG=False))
 
 
+def _spy_on_launch_options(monkeypatch):
+    """[(GDC, launch_pdl)] of every kernel run from here on (through the JIT or the interpreter's stand-in)."""
+    options = []
+    kernel_type = type(_token_tables_kernel)
+    run = kernel_type.run
+    monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (
+        options.append((kwargs.get("GDC", False), kwargs.get("launch_pdl", False))), run(self, *args, **kwargs))[1])
+    return options
+
+
 def test_dependent_launches_mark_the_kernels_that_wait(monkeypatch):
     """Inside ``dependent_launches`` a kernel that declares GDC gets its wait compiled in and the PDL launch option;
     a kernel without the parameter launches as usual, and so does everything outside the block or with it off."""
@@ -72,11 +82,7 @@ def test_pdl_is_inert_off_the_gpu(monkeypatch):
 
     if torch.cuda.is_available():
         pytest.skip("the knob is live on a GPU: test_official_pdl checks it there")
-    options = []
-    kernel_type = type(_token_tables_kernel)  # JITFunction, or the interpreter's stand-in for it
-    run = kernel_type.run
-    monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (
-        options.append((kwargs.get("GDC", False), kwargs.get("launch_pdl", False))), run(self, *args, **kwargs))[1])
+    options = _spy_on_launch_options(monkeypatch)
     inputs = make_inputs(B=1, S=48, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=torch.float32, seed=11)
     base = choose_config(B=1, H=2, S=48, N=32, P=32, R=2, chunk_size=16, num_sms=4)
     assert_knob_inert(inputs, base, "pdl", output_dtype=torch.float32)
@@ -101,16 +107,13 @@ def test_dependent_launch_code_paths_give_the_same_outputs(monkeypatch, knobs):
 
     if torch.cuda.is_available() or not triton_utils.INTERPRETED:
         pytest.skip("the interpreter's run of the dependent-launch paths")
-    options = []
-    kernel_type = type(_token_tables_kernel)
-    run = kernel_type.run
-    monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (
-        options.append(kwargs.get("GDC", False)), run(self, *args, **kwargs))[1])
+    launched = _spy_on_launch_options(monkeypatch)
     monkeypatch.setattr(production, "dependent_launch_supported", lambda tensor: True)
     inputs = make_inputs(B=1, S=96, H=2, G=1, N=32, P=32, R=2, chunk_size=16, dtype=torch.float32, seed=13)
     base = ScanConfig(block_p=16, out_block_p=32, **knobs)
     assert_knob_inert(inputs, base, "pdl", output_dtype=torch.float32)
     # the second call's launches all took their dependent-launch paths (the first call's none)
+    options = [gdc for gdc, _ in launched]
     assert True in options and False in options and options[len(options) // 2:] == [True] * (len(options) // 2)
 
 
