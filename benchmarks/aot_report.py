@@ -2,10 +2,11 @@
 
     python benchmarks/aot_report.py                       # official grid, production + stage0
     python benchmarks/aot_report.py --cases N128_P64_R4_C16 --config local_states=1,out_num_warps=4
+    python benchmarks/aot_report.py --arch 89 --dtype fp32       # an L40S / RTX 4090 (99 KB a block)
 
 Each launch the host wrappers would make is captured (uninitialized CPU
 tensors, nothing runs), specialized the way Triton's launcher would, compiled
-for an H100/H200 target, and its cubin read with the cuobjdump that ships in
+for an H100/H200 target (``--arch``: another compute capability), and its cubin read with the cuobjdump that ships in
 Triton's wheel: registers, stack (spilled bytes per thread), shared memory.
 This costs no device time; spills and shared memory over 99 KB show here first.
 """
@@ -156,7 +157,11 @@ def main(argv=None):
     parser.add_argument("--config", help="ScanConfig fields key=value,... that replace the dispatcher's for production")
     parser.add_argument("--no-z", action="store_true")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--arch", type=int, default=90,
+                        help="compute capability to compile for, e.g. 80 (A100), 86 / 89 (99 KB a block), 90")
     args = parser.parse_args(argv)
+    global TARGET
+    TARGET = GPUTarget("cuda", args.arch, 32)
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     config = None
     if args.config:

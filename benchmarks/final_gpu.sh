@@ -33,7 +33,7 @@ want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-560} python3 -m
   2>&1 \
   | tee "$OUT/tests_full.log" | tail -n 6 | tee "$OUT/tests.log" || status=1; }
 want grids && { timeout ${GRIDS_TIMEOUT:-240} python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py \
-  -k "gpu_pairwise or gpu_tail or gpu_rank" 2>&1 | tee "$OUT/grids_full.log" | tail -n 6 | tee -a "$OUT/tests.log" \
+  -k "gpu_pairwise or gpu_tail or gpu_rank or gpu_inner" 2>&1 | tee "$OUT/grids_full.log" | tail -n 6 | tee -a "$OUT/tests.log" \
   || status=1; }
 want unit && { timeout ${UNIT_TIMEOUT:-240} python3 -m pytest -q -p no:warnings -rf tests/test_launch.py \
   tests/test_stage_kernels.py tests/test_api_errors.py tests/test_robustness.py tests/test_triton_utils.py 2>&1 \

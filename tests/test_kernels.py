@@ -15,7 +15,7 @@ import torch
 import mamba3_mimo.api as api
 from conftest import HAS_CUDA, requires_cuda, seed_for
 from mamba3_mimo.accuracy import mere_mare
-from mamba3_mimo.inputs import make_inputs
+from mamba3_mimo.inputs import build_discretization, make_inputs
 from mamba3_mimo.ops import production
 from mamba3_mimo.ops.production import ScanConfig
 from mamba3_mimo.reference import bwd_fwd_reference
@@ -111,6 +111,36 @@ def test_non_power_of_two_dims(check_kernel, impl, N, P):
 @pytest.mark.parametrize("C", [8, 12])
 def test_non_power_of_two_chunk(check_kernel, impl, C):
     check_kernel(impl, B=1, S=40, H=2, N=16, P=16, R=2, chunk_size=C, dtype=F32)
+
+
+@pytest.mark.parametrize("C,R,inner", [(16, 4, 16), (8, 8, 8), (64, 1, 64), (32, 4, 16), (64, 4, 16), (16, 8, 8),
+                                         (32, 3, 16), (48, 2, 24), (16, 6, 8), (67, 1, 1)])
+def test_inner_chunk_size(C, R, inner):
+    """The largest divisor of C whose (token, rank) rows, next_pow2(C) * next_pow2(R), fit MAX_KERNEL_ROWS."""
+    assert production.MAX_KERNEL_ROWS == 64
+    assert production.inner_chunk_size(C, R) == inner
+
+
+@pytest.mark.parametrize("S", [50, 64, 72])
+@pytest.mark.parametrize("C,inner", [(32, 16), (48, 24), (64, 8)])
+def test_inner_chunk_decays_are_those_of_the_inner_chunks(S, C, inner):
+    """da_cs / da_cs_rev of C-token chunks turned into those of inner chunks equal the ones built for inner chunks
+    from the per-token decays (tail chunks included)."""
+    dA = -torch.rand(2, 3, S, dtype=torch.float64, generator=torch.Generator().manual_seed(seed_for(S, C)))
+    da_cs, da_cs_rev, _ = build_discretization(dA, C)
+    want_cs, want_rev, _ = build_discretization(dA, inner)
+    got_cs, got_rev = production.inner_chunk_decays(da_cs=da_cs, da_cs_rev=da_cs_rev, chunk_size=C, inner_chunk=inner)
+    torch.testing.assert_close(got_cs, want_cs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_rev, want_rev, rtol=0, atol=1e-12)
+
+
+# Chunks of more (token, rank) rows than the kernels take are walked as inner chunks (production.inner_chunk_size):
+# 32 x 4 rows with a tail chunk, R = 3 (padded to 4 rank rows) without Z, and C = 48 (inner chunks of 24).
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("S,R,C,z", [(50, 4, 32, True), (72, 3, 32, False), (40, 2, 48, True)])
+def test_production_inner_chunks(check_kernel, S, R, C, z, dtype):
+    assert production.inner_chunk_size(C, R) < C
+    check_kernel("production", B=1, S=S, H=2, N=16, P=16, R=R, chunk_size=C, z=z, dtype=dtype)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -505,6 +535,16 @@ def test_gpu_tail(check_kernel, impl, S, C):
 @requires_cuda
 def test_gpu_rank(check_kernel, impl, R):
     check_kernel(impl, B=2, S=64, H=4, G=1, N=64, P=64, R=R, chunk_size=16, dtype=F32)
+
+
+# Chunks of 128 and 256 (token, rank) rows at full width, walked as inner chunks of 64 rows: before, the output
+# stage took 160 / 288 KB of shared memory at N = 256 (over an H200's 227 KB at C = 64) and 160 KB at N = 128.
+@pytest.mark.parametrize("shape", ["N256_P64_R4_C64", "N256_P64_R4_C32", "N128_P128_R4_C64", "N64_P64_R8_C16"])
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_inner_chunks(check_kernel, shape):
+    check_kernel("production", B=2, S=1000, H=4, G=1, **parse_shape(shape), dtype=BF16, output_dtype=BF16,
+                 ref_device="kernel")
 
 
 OFFICIAL_SHAPES = ("N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16", "N128_P64_R4_C16", "N256_P64_R4_C8",

@@ -76,6 +76,9 @@ MIN_CHUNKS_PER_SEGMENT = 4
 GLUON_SCAN_PROGRAMS_PER_SM = 2
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
+# (token, rank) rows of the largest chunk the kernels take (next_pow2(C) * next_pow2(R), the official grid's): the
+# output stage's score tile is [rows, rows].  Larger chunks are walked as inner chunks (``inner_chunk_size``).
+MAX_KERNEL_ROWS = 64
 # The knobs the sweeps of 01845e8 chose (docs/optimization.md sections 30-31): d_in_gate on the split shapes with
 # P <= 64; the bf16 rotation with chunk_scan's low-register order and its 128-register cap on the local-state shapes;
 # and gluon_scan, the state scans as the warp-specialized Gluon kernel where it applies (section 33).  Timed on the
@@ -491,10 +494,64 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def production_bwd_fwd(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
+def inner_chunk_size(chunk_size, R):
+    """The chunk the kernels walk for a call with this ``chunk_size`` and R: ``chunk_size`` itself where its
+    (token, rank) rows fit ``MAX_KERNEL_ROWS``, else its largest divisor whose rows do."""
+    block_r = next_power_of_2(R)
+    if next_power_of_2(chunk_size) * block_r <= MAX_KERNEL_ROWS:
+        return chunk_size
+    return max(c for c in range(1, chunk_size + 1) if chunk_size % c == 0 and next_power_of_2(c) * block_r
+               <= MAX_KERNEL_ROWS)
+
+
+def inner_chunk_decays(*, da_cs, da_cs_rev, chunk_size, inner_chunk):
+    """da_cs and da_cs_rev of chunks of ``inner_chunk`` tokens from those of ``chunk_size`` (a multiple of it).
+
+    da_cs[t] is the log-decay sum from t's chunk start to t, da_cs_rev[t] the sum after t to the chunk's last valid
+    token; each inner chunk lies inside one outer chunk, so its sums are differences of the outer ones:
+        da_cs'[t]     = da_cs[t] - da_cs[inner start - 1]          (0 subtracted for an outer chunk's first)
+        da_cs_rev'[t] = da_cs_rev[t] - da_cs_rev[inner last valid]
+    Args: da_cs, da_cs_rev: [B, H, S] fp32.  Returns the two new [B, H, S] fp32 tensors.
+    """
+    S = da_cs.shape[2]
+    t = torch.arange(S, device=da_cs.device)
+    inner_start = t - (t % chunk_size) % inner_chunk
+    starts_outer = inner_start % chunk_size == 0
+    before = da_cs[:, :, (inner_start - 1).clamp(min=0)]
+    inner_da_cs = da_cs - torch.where(starts_outer, torch.zeros_like(before), before)
+    inner_last = torch.clamp(inner_start + inner_chunk - 1, max=S - 1)
+    inner_da_cs_rev = da_cs_rev - da_cs_rev[:, :, inner_last]
+    return inner_da_cs.contiguous(), inner_da_cs_rev.contiguous()
+
+
+def production_bwd_fwd(*, q, da_cs, da_cs_rev, states, chunk_size, **rest):
+    """Fill every output in place (tensors as in ``stage0_bwd_fwd``; segsum is derived from da_cs).
+
+    A chunk of more (token, rank) rows than ``MAX_KERNEL_ROWS`` is walked as inner chunks (``inner_chunk_size``):
+    the result does not depend on where chunks are cut, and the states entering the call's chunks are every
+    ``chunk_size / inner`` th of the inner chunks' (copied out at the end).  Above that size the output stage's
+    [rows, rows] score tile and the scans' operands took 128-288 KB of shared memory at N >= 128, over the 99 KB bound
+    and at N = 256 over an H200's 227 KB (benchmarks/aot_report.py, docs/optimization.md section 41).
+    """
+    R = q.shape[2]
+    inner = inner_chunk_size(chunk_size, R)
+    if inner == chunk_size:
+        _production_chunks(q=q, da_cs=da_cs, da_cs_rev=da_cs_rev, states=states, chunk_size=chunk_size, **rest)
+        return
+    B, H, _, N, P = states.shape
+    inner_da_cs, inner_da_cs_rev = inner_chunk_decays(da_cs=da_cs, da_cs_rev=da_cs_rev, chunk_size=chunk_size,
+                                                      inner_chunk=inner)
+    inner_states = torch.empty((B, H, cdiv(q.shape[1], inner), N, P), device=states.device, dtype=states.dtype)
+    _production_chunks(q=q, da_cs=inner_da_cs, da_cs_rev=inner_da_cs_rev, states=inner_states, chunk_size=inner,
+                       **rest)
+    forbid_replay()  # torch ops around the launches: a call replay would miss them
+    states.copy_(inner_states[:, :, ::chunk_size // inner])
+
+
+def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                        da_cs, da_cs_rev, dt, trap, states, qk_dot, dmimo_o, dmimo_z, dz,
                        chunk_size, dot_dtype, dot_precision, config=None):
-    """Fill every output in place (tensors as in ``stage0_bwd_fwd``; segsum is derived from da_cs)."""
+    """production_bwd_fwd for a chunk of at most ``MAX_KERNEL_ROWS`` (token, rank) rows."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     activation_dtypes = [x.dtype for x in (q, k, v, dout, z) if x is not None]
