@@ -42,6 +42,11 @@ PDL_CALLS = {
 }
 PDL_KERNELS = {"token_tables", "flat_token_tables", "state_scan", "segment_entry", "segment_entry_scan", "chunk_scan",
                "chunk_scan_gate", "gate_grads", "chunk_output", "group_sum"}
+# A bf16 call whose chunks have 256 (token, rank) rows (C = 64, R = 4) at N = 256: before the inner chunks its
+# chunk_scan took 288 KB of shared memory (docs/optimization.md section 41).  Its scan and output stage compiled for
+# a 99 KB GPU (sm_89) and for Hopper.
+LARGE_CHUNK_CALL = dict(B=1, S=256, H=2, G=1, N=256, P=64, R=4, chunk_size=64)
+LARGE_CHUNK_ARCHS = (89, 90)
 # SASS of griddepcontrol.wait / .launch_dependents, and of the accesses to global memory.
 GRID_WAIT, GRID_TRIGGER = "ACQBULK", "PREEXIT"
 GLOBAL_ACCESS = ("LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "RED", "ATOMG")
@@ -197,6 +202,35 @@ def test_dependent_launches_wait_before_their_first_load(compiled, call):
     assert {name.split("#")[0] for c in PDL_CALLS for name in compiled["pdl"][c]} == PDL_KERNELS
 
 
+def compile_large_chunks():
+    """{arch: {kernel: shared bytes}} of LARGE_CHUNK_CALL's state scan and chunk_scan launches."""
+    import aot_report
+    from triton.backends.compiler import GPUTarget
+
+    from mamba3_mimo import api
+
+    aot_report.compile_as_cuda()
+    inputs = aot_report.empty_inputs(dtype=torch.bfloat16, **LARGE_CHUNK_CALL)
+    launches = aot_report.capture_launches(lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16))
+    shared = {}
+    for arch in LARGE_CHUNK_ARCHS:
+        aot_report.TARGET = GPUTarget("cuda", arch, 32)
+        shared[arch] = {name: aot_report.compile_launch(name, args, kwargs).metadata.shared
+                        for name, args, kwargs in launches if name in ("state_scan", "chunk_scan")}
+    return shared
+
+
+def test_large_chunks_fit_99kb(compiled):
+    """Chunks over 64 rows are walked as inner chunks (production.inner_chunk_size), so their launches keep to the
+    99 KB bound like the official grid's."""
+    from mamba3_mimo.ops.gluon_state_scan import SMEM_LIMIT
+
+    for arch in LARGE_CHUNK_ARCHS:
+        shared = compiled["large_chunks"][str(arch)]
+        assert set(shared) == {"state_scan", "chunk_scan"}, arch
+        assert max(shared.values()) <= SMEM_LIMIT, (arch, shared)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    print(json.dumps(dict(compile_calls(), pdl=compile_pdl_calls())))
+    print(json.dumps(dict(compile_calls(), pdl=compile_pdl_calls(), large_chunks=compile_large_chunks())))
