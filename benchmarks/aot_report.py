@@ -30,7 +30,7 @@ from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.bench import OFFICIAL_CASES, jit_kernels, parse_case  # noqa: E402
 from mamba3_mimo.ops import host_utils  # noqa: E402
 from mamba3_mimo.ops.gluon_state_scan import SMEM_LIMIT  # noqa: E402
-from mamba3_mimo.ops.production import choose_config, inner_chunk_size, rotation_table_dtype  # noqa: E402
+from mamba3_mimo.ops.production import choose_config, rotation_table_dtype  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = jit_kernels()
@@ -97,16 +97,11 @@ def official_launches(case, config_text="", z=True):
     """(name, args, kwargs) of every launch of one bf16 production call on an official shape (B=4, S=2048,
     H=16, G=1), configured as the dispatcher would on an H200 with the ``key=value,...`` overrides."""
     shape = parse_case(case)
-    config = dataclasses.replace(choose_config(B=4, H=16, S=2048, num_sms=132, has_z=z, **kernel_chunk(shape)),
+    config = dataclasses.replace(choose_config(B=4, H=16, S=2048, num_sms=132, has_z=z, **shape),
                                  **parse_config(config_text or ""))
     inputs = empty_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, z=z, **shape)
     return capture_launches(
         lambda: api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, impl="production", config=config))
-
-
-def kernel_chunk(shape):
-    """The parsed case with the chunk its kernels walk (``inner_chunk_size``), the one the dispatcher sizes for."""
-    return dict(shape, chunk_size=inner_chunk_size(shape["chunk_size"], shape["R"]))
 
 
 def resources(kernel):
@@ -142,8 +137,8 @@ def report_case(case, impls, overrides, B, S, H, G, dtype, z):
     inputs = empty_inputs(B=B, S=S, H=H, G=G, dtype=dtype, z=z, **shape)
     # The dispatcher's choice for an H200 (not for the CPU this runs on), with the --config fields changed.
     half_tables = rotation_table_dtype(dtype) == torch.float16
-    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, has_z=z, half_tables=half_tables,
-                                               **kernel_chunk(shape)), **(overrides or {}))
+    config = dataclasses.replace(choose_config(B=B, H=H, S=S, num_sms=132, has_z=z, half_tables=half_tables, **shape),
+                                 **(overrides or {}))
     rows = []
     for impl in impls:
         launches = capture_launches(lambda: api.bwd_fwd(**inputs, output_dtype=dtype, impl=impl, config=config))

@@ -351,7 +351,7 @@ def _git_commit():
 
 def run(args):
     from .inputs import make_inputs
-    from .ops.production import choose_config, inner_chunk_size, rotation_table_dtype
+    from .ops.production import choose_config, rotation_table_dtype
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -390,10 +390,8 @@ def run(args):
                 print(f"[{index + 1}/{len(args.cases)}] {name} {impl} {config}: FAILED {exc!r:.300}", file=sys.stderr)
                 continue
             if impl == "production" and config is None:
-                # The dispatcher sizes the chunk the kernels walk (``inner_chunk_size``: chunks over 64 rows).
                 config = choose_config(B=args.B, H=args.H, S=args.S, num_sms=props.multi_processor_count,
-                                       has_z=has_z, half_tables=half_tables,
-                                       **dict(shape, chunk_size=inner_chunk_size(shape["chunk_size"], shape["R"])))
+                                       has_z=has_z, half_tables=half_tables, **shape)
             record = dict(case=name, impl=impl, z=has_z, output_dtype=args.output_dtype, dtype=args.dtype,
                           B=args.B, S=args.S, H=args.H, G=args.G, ms=ms, graph_ms=graph_ms, floor_ms=floor_ms,
                           floor_ratio=ms / floor_ms, tflops=flops / (ms * 1e-3) / 1e12, first_call_ms=first_ms,

@@ -121,6 +121,15 @@ def test_inner_chunk_size(C, R, inner):
     assert production.inner_chunk_size(C, R) == inner
 
 
+def test_dispatcher_sizes_the_inner_chunk():
+    """choose_config for a chunk over 64 rows is the config of the chunk the kernels walk."""
+    sizes = dict(B=4, H=16, S=2048, N=256, P=64, num_sms=132)
+    assert production.choose_config(**sizes, R=4, chunk_size=64) == production.choose_config(**sizes, R=4,
+                                                                                             chunk_size=16)
+    assert production.choose_config(**sizes, R=8, chunk_size=16) == production.choose_config(**sizes, R=8,
+                                                                                             chunk_size=8)
+
+
 @pytest.mark.parametrize("S", [50, 64, 72])
 @pytest.mark.parametrize("C,inner", [(32, 16), (48, 24), (64, 8)])
 def test_inner_chunk_decays_are_those_of_the_inner_chunks(S, C, inner):

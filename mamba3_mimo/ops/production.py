@@ -260,8 +260,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     ``half_tables``: the rotation tables are fp16 (``rotation_table_dtype``: bf16 activations, as on the
     official grid), which leaves the state scans fewer registers and room for more programs an SM.
     ``swept_knobs``: take the knobs of ``DISPATCH_SWEPT_KNOBS`` (True), leave them off (False), or follow that
-    constant (None).
+    constant (None).  The config is for the chunk the kernels walk: ``inner_chunk_size(chunk_size, R)``.
     """
+    chunk_size = inner_chunk_size(chunk_size, R)
     nch = cdiv(S, chunk_size)
     p_pow = max(16, next_power_of_2(P))
     half_pow = max(16, next_power_of_2(N // 2))
