@@ -93,21 +93,18 @@ def _gate_grads_kernel(
     dzeta_acc = tl.zeros((BLOCK_R, BLOCK_T, BLOCK_P), dtype=tl.float32)
     row_mask = (first + offs_t < last) & (ranks < R)
     mask = row_mask & (cols < P)
+    if not GDC:
+        raw_y, unscale = _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, first, row_mask, mask,
+                                     N_SCALE_TILES, R, P, SCALED_RAW_Y)
+    dout = tl.load(dout_ptr + act_offs + first * (H * P), mask=mask, other=0.0)
+    z = tl.load(z_ptr + act_offs + first * (H * P), mask=mask & HAS_Z, other=0.0)
+    v = tl.load(v_ptr + act_offs + first * (H * P), mask=mask & HAS_D, other=0.0)
     if GDC:
         # Under programmatic dependent launch the head's constants above and the first tile of dout / z / v (inputs of
         # the call) are asked for before the wait for chunk_scan, which writes raw_y; raw_y after it.
-        dout = tl.load(dout_ptr + act_offs + first * (H * P), mask=mask, other=0.0)
-        z = tl.load(z_ptr + act_offs + first * (H * P), mask=mask & HAS_Z, other=0.0)
-        v = tl.load(v_ptr + act_offs + first * (H * P), mask=mask & HAS_D, other=0.0)
         wait_for_previous_grid(GDC)
         raw_y, unscale = _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, first, row_mask, mask,
                                      N_SCALE_TILES, R, P, SCALED_RAW_Y)
-    else:
-        raw_y, unscale = _load_raw_y(raw_y_ptr, raw_y_scale_ptr, y_offs, scale_offs, first, row_mask, mask,
-                                     N_SCALE_TILES, R, P, SCALED_RAW_Y)
-        dout = tl.load(dout_ptr + act_offs + first * (H * P), mask=mask, other=0.0)
-        z = tl.load(z_ptr + act_offs + first * (H * P), mask=mask & HAS_Z, other=0.0)
-        v = tl.load(v_ptr + act_offs + first * (H * P), mask=mask & HAS_D, other=0.0)
     for t0 in range(first, last, BLOCK_T):
         # The next block's tiles are in flight while this block's gate math runs.
         t_next = t0 + BLOCK_T

@@ -123,20 +123,16 @@ def _gluon_gate_grads_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
+    # Under programmatic dependent launch the first tiles' dout / z / v (inputs of the call) are asked for before the
+    # wait for chunk_scan, which writes raw_y and its scales; raw_y's boxes after it.
+    for tile in gl.static_range(NUM_BUFFERS - 1):
+        _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
+                    bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D, RAW_Y=not GDC)
     if GDC:
-        # Under programmatic dependent launch the first tiles' dout / z / v (inputs of the call) are asked for before
-        # the wait for chunk_scan, which writes raw_y and its scales; raw_y's boxes after it.
-        for tile in gl.static_range(NUM_BUFFERS - 1):
-            _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
-                        bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D, RAW_Y=False)
         wait_for_previous_grid(GDC)
         for tile in gl.static_range(NUM_BUFFERS - 1):
             _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
                         bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D, INPUTS=False)
-    else:
-        for tile in gl.static_range(NUM_BUFFERS - 1):
-            _issue_tile(tile, n_tiles, y_desc, dout_desc, z_desc, v_desc, y_bufs, dout_bufs, z_bufs, v_bufs, ready,
-                        bh, b, h, first, p0, P, BLOCK_T, HAS_Z, HAS_D)
 
     # Per (rank, col) constants: Phi Zeta for dz, Zeta for the gate's input, D Psi for the skip.
     rc_ranks = gl.arange(0, R, gl.SliceLayout(1, rc_layout))[:, None]
