@@ -10,8 +10,9 @@
 # part 17 (section 38) the gate in chunk_scan and a 96-register chunk_scan at N <= 64 with Z; part 18 the Gluon
 # gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
 # shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
-# programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40).
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22 bash benchmarks/sweep_prepared.sh
+# programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
+# (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -276,8 +277,16 @@ case "${PART:-1}" in
     sweep fold_segments CASES="N64_P64_R4_C16 N64_P128_R4_C16 N128_P64_R4_C16 N128_P64_R1_C64" \
       KNOBS="fold_one_scan=1+n_segments=8:16"
     ;;
+  24)
+    # The small-N local-state scan over all of P = 64 (section 42): half the programs a segment, so one wave holds
+    # twice the segments at half the steps.  Predicted scan 62 -> 35-45 us, -6 to -11% of N16 / N32 (with and
+    # without Z).  (Part 23, section 40's software-pipelined loops, was removed with them.)
+    sweep small_scan_tile CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="block_p=64+n_segments=8:10+scan_max_registers=96:128"
+    sweep small_scan_tile_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" \
+      KNOBS="block_p=64+n_segments=8:10+scan_max_registers=96:128"
+    ;;
   *)
-    echo "PART must be 1 to 22" >&2
+    echo "PART must be 1 to 22, or 24" >&2
     exit 2
     ;;
 esac
