@@ -129,7 +129,8 @@ class ScanConfig:
     scan_skip_unrotated: state-scan programs whose N/2 tile lies wholly past the rotary dims (n >= RD = N/4 in
     each half: the upper tiles where block_half <= RD, e.g. N = 256 at 64, N = 128 at 32) branch around the
     rotation math.  Statically 12-18% of the loop's SASS is skipped for those programs (docs/optimization.md
-    section 27); untimed, off by default.
+    section 27); untimed, off by default.  An earlier branch of this kind (separate rotated and plain loads) was
+    timed and lost everywhere (section 19: N256 state scan 471 -> 560 us).
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
     Z, and with Z at R = 1).
