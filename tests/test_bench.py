@@ -7,6 +7,7 @@ import pytest
 from mamba3_mimo.bench import OFFICIAL_CASES, geomean, launch_sequence, parse_case, sweep_configs
 from mamba3_mimo.ops import production
 from mamba3_mimo.ops.production import (HALF_TABLE_SCAN_RESIDENCY, PREFETCH_SCAN_RESIDENCY, RESIDENT_SCAN_PROGRAMS,
+                                        WIDE_NARROW_SCAN_RESIDENCY,
                                         TWO_PASS_SCAN, ScanConfig, choose_config,
                                         gate_tokens_per_program)
 
@@ -180,11 +181,18 @@ def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segmen
     3 segments at N64, where 4 spilled into a second wave; 4 at N <= 32 and N = 128, where 5-8 lose).  With
     fp16 rotation tables the narrow tiles take a register cap that fits 4 / 5 programs an SM, and one more
     segment (sweep of f67b954); the 64-wide tiles keep theirs.  The [2 x 32, 64] tile of N64_P128 loads a step
-    ahead at 2 programs an SM instead (sweeps of f57a6ee)."""
+    ahead at 2 programs an SM instead (sweeps of f57a6ee).  At N <= 32 with P = 64 the scan takes all of P in one
+    tile at 4 programs an SM, which doubles the segments of one wave (sweep of a45a4ab, section 42)."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132, has_z=has_z,
                            half_tables=half_tables, swept_knobs=False)  # the Triton scan's rule (the Gluon one above)
     prefetch = half_tables and (config.block_half, config.block_p) in PREFETCH_SCAN_RESIDENCY
-    if prefetch:
+    wide = half_tables and (config.block_half, P) in WIDE_NARROW_SCAN_RESIDENCY
+    assert wide is (half_tables and N <= 32)  # the official N16 / N32 shapes (P = 64) scan all of P in one tile
+    assert config.block_p == (P if wide else config.block_p)
+    if wide:
+        segments = {16: 8, 32: 8}[N]
+        per_sm, cap = WIDE_NARROW_SCAN_RESIDENCY[config.block_half, P]
+    elif prefetch:
         segments = half_table_segments
         per_sm, cap = PREFETCH_SCAN_RESIDENCY[config.block_half, config.block_p], 0
     elif half_tables:

@@ -200,6 +200,10 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, local_states=True, split_gate=True,
                fold_one_scan=True),
     ScanConfig(block_p=16, n_segments=8, out_block_p=16, local_states=True, fold_one_scan=True),
+    # The narrow N/2 tile over a 64-wide P tile (the dispatcher's N <= 32 rule, section 42): a partial P tile, two
+    # chunks a storing step, more segments than chunks.
+    ScanConfig(block_p=64, n_segments=8, block_half=16, out_block_p=64, local_states=True, split_gate=True,
+               state_span_chunks=2, scan_max_registers=128, fold_one_scan=True),
 ]
 
 

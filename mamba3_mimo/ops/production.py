@@ -70,6 +70,14 @@ HALF_TABLE_SCAN_RESIDENCY = {64: (2, 0), 32: (4, 128), 16: (5, 96)}
 # 374): its capped scan fits 4 programs an SM, and loading ahead leaves room for 2.  (block_half, block_p) ->
 # programs an SM.
 PREFETCH_SCAN_RESIDENCY = {(32, 64): 2}
+# With fp16 tables the 16-wide N/2 tile (N <= 32) scans all of P = 64 in one tile at 4 programs an SM (128 registers)
+# instead of two 32-wide tiles at 5: half the programs a segment, so one wave holds 8 segments instead of 5 and each
+# program walks 16 steps instead of 26 (the step time barely depends on the tile's width).  Sweep of a45a4ab
+# (2026-12-06_h200_sweep_a45a4ab_small_scan_tile*.json, graph us, 32-wide tile at 5 segments -> 64-wide at 8):
+# N16_P64_R4_C8 245.9 -> 228.9, N32_P64_R4_C16 241.6 -> 223.0; without Z 220.9 -> 204.4 (state scan 61.2 -> 43.3),
+# 214.7 -> 197.2 (59.7 -> 40.0); at 10 segments and a 96 cap (5 an SM, 40 B of spill at N16) 233.2 / 226.5.
+# (block_half, P tile) -> (programs an SM, register cap); P = 128 at N <= 32 is untimed and keeps the 32-wide tile.
+WIDE_NARROW_SCAN_RESIDENCY = {(16, 64): (4, 128)}
 # Fewest chunks a segment should hold: below that the fold and the extra pass cost more than they give.
 MIN_CHUNKS_PER_SEGMENT = 4
 # Gluon state scan programs an SM (gluon_state_scan.py: 8 hardware warps at 128 registers a thread).
@@ -355,6 +363,10 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         per_sm = RESIDENT_SCAN_PROGRAMS.get(block_half, 2)
         if half_tables:
             per_sm, scan_max_registers = HALF_TABLE_SCAN_RESIDENCY.get(block_half, (per_sm, 0))
+            if (block_half, p_pow) in WIDE_NARROW_SCAN_RESIDENCY:
+                block_p = p_pow
+                tiles = cdiv(half_pow, block_half)
+                per_sm, scan_max_registers = WIDE_NARROW_SCAN_RESIDENCY[block_half, p_pow]
             if (block_half, block_p) in PREFETCH_SCAN_RESIDENCY:
                 per_sm, scan_max_registers = PREFETCH_SCAN_RESIDENCY[block_half, block_p], 0
                 scan_prefetch = True
