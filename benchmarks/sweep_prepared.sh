@@ -280,7 +280,9 @@ case "${PART:-1}" in
   24)
     # The small-N local-state scan over all of P = 64 (section 42): half the programs a segment, so one wave holds
     # twice the segments at half the steps.  Predicted scan 62 -> 35-45 us, -6 to -11% of N16 / N32 (with and
-    # without Z).  (Part 23, section 40's software-pipelined loops, was removed with them.)
+    # without Z); measured at a45a4ab (H200): -7 to -8%, scan 61 -> 43 / 60 -> 40 us.  Its GPU accuracy test
+    # (test_official_wide_narrow_scan, in final_gpu.sh's tests part) decides production.WIDE_NARROW_SCAN.
+    # (Part 23, section 40's software-pipelined loops, was removed with them.)
     sweep small_scan_tile CASES="N16_P64_R4_C8 N32_P64_R4_C16" KNOBS="block_p=64+n_segments=8:10+scan_max_registers=96:128"
     sweep small_scan_tile_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" \
       KNOBS="block_p=64+n_segments=8:10+scan_max_registers=96:128"

@@ -172,22 +172,33 @@ def test_dispatcher_state_spans(N, P, R, C, state_span):
     assert state_span == 1 or config.out_span_chunks >= state_span
 
 
+@pytest.fixture(params=[False, True], ids=["narrow_p", "wide_p"])
+def wide_narrow_scan(request, monkeypatch):
+    """The dispatcher with production.WIDE_NARROW_SCAN as it is (off until GPU-tested) and turned on."""
+    monkeypatch.setattr(production, "WIDE_NARROW_SCAN", request.param)
+    choose_config.cache_clear()
+    yield request.param
+    choose_config.cache_clear()
+
+
 @pytest.mark.parametrize("half_tables", [True, False])
 @pytest.mark.parametrize("N,P,R,C,has_z,segments,half_table_segments", [
     (64, 64, 4, 16, True, 3, 4), (64, 128, 4, 16, False, 3, 2), (32, 64, 4, 16, True, 4, 5), (16, 64, 4, 8, True, 4, 5),
     (128, 64, 4, 16, True, 4, 4), (128, 32, 4, 16, False, 4, 4), (128, 64, 1, 64, True, 4, 4)])
-def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segments, half_table_segments, half_tables):
+def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segments, half_table_segments, half_tables,
+                                                       wide_narrow_scan):
     """The one-pass scan takes as many segments as leave every program resident at once (sweeps of 4b8eeb1:
     3 segments at N64, where 4 spilled into a second wave; 4 at N <= 32 and N = 128, where 5-8 lose).  With
     fp16 rotation tables the narrow tiles take a register cap that fits 4 / 5 programs an SM, and one more
     segment (sweep of f67b954); the 64-wide tiles keep theirs.  The [2 x 32, 64] tile of N64_P128 loads a step
     ahead at 2 programs an SM instead (sweeps of f57a6ee).  At N <= 32 with P = 64 the scan takes all of P in one
-    tile at 4 programs an SM, which doubles the segments of one wave (sweep of a45a4ab, section 42)."""
+    tile at 4 programs an SM, which doubles the segments of one wave (sweep of a45a4ab, section 42; behind
+    ``WIDE_NARROW_SCAN`` until GPU-tested)."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132, has_z=has_z,
                            half_tables=half_tables, swept_knobs=False)  # the Triton scan's rule (the Gluon one above)
     prefetch = half_tables and (config.block_half, config.block_p) in PREFETCH_SCAN_RESIDENCY
-    wide = half_tables and (config.block_half, P) in WIDE_NARROW_SCAN_RESIDENCY
-    assert wide is (half_tables and N <= 32)  # the official N16 / N32 shapes (P = 64) scan all of P in one tile
+    wide = wide_narrow_scan and half_tables and (config.block_half, P) in WIDE_NARROW_SCAN_RESIDENCY
+    assert wide is (wide_narrow_scan and half_tables and N <= 32)  # N16 / N32 (P = 64): all of P in one tile
     assert config.block_p == (P if wide else config.block_p)
     if wide:
         segments = {16: 8, 32: 8}[N]

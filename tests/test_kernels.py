@@ -635,6 +635,25 @@ def test_official_two_pass_scan_segments(check_kernel, shape, knobs):
                  ref_device="kernel", config=dataclasses.replace(chosen, **knobs), **sizes)
 
 
+@pytest.mark.parametrize("shape", ["N16_P64_R4_C8", "N32_P64_R4_C16"])
+@pytest.mark.parametrize("z", [True, False], ids=["Z", "noZ"])
+@pytest.mark.gpu
+@requires_cuda
+def test_official_wide_narrow_scan(check_kernel, shape, z):
+    """The N <= 32 local-state scan over all of P = 64 at 8 segments and a 128-register cap
+    (``production.WIDE_NARROW_SCAN``, timed in section 42: N16 / N32 -7 to -8%), full size, with and without Z: the
+    test that lets the dispatcher take it."""
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           has_z=z, **sizes)
+    assert chosen.local_states and chosen.block_half == 16
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
+                 ref_device="kernel",
+                 config=dataclasses.replace(chosen, block_p=64, n_segments=8, scan_max_registers=128), **sizes)
+
+
 @pytest.mark.parametrize("shape", QUICK_SHAPES)
 @pytest.mark.parametrize("z", [True, False], ids=["Z", "noZ"])
 @pytest.mark.gpu
