@@ -199,9 +199,9 @@ def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segmen
     prefetch = half_tables and (config.block_half, config.block_p) in PREFETCH_SCAN_RESIDENCY
     wide = wide_narrow_scan and half_tables and (config.block_half, P) in WIDE_NARROW_SCAN_RESIDENCY
     assert wide is (wide_narrow_scan and half_tables and N <= 32)  # N16 / N32 (P = 64): all of P in one tile
-    assert config.block_p == (P if wide else config.block_p)
     if wide:
-        segments = {16: 8, 32: 8}[N]
+        assert config.block_p == P
+        segments = 8
         per_sm, cap = WIDE_NARROW_SCAN_RESIDENCY[config.block_half, P]
     elif prefetch:
         segments = half_table_segments
