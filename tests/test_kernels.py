@@ -639,19 +639,21 @@ def test_official_two_pass_scan_segments(check_kernel, shape, knobs):
 @pytest.mark.parametrize("z", [True, False], ids=["Z", "noZ"])
 @pytest.mark.gpu
 @requires_cuda
-def test_official_wide_narrow_scan(check_kernel, shape, z):
-    """The N <= 32 local-state scan over all of P = 64 at 8 segments and a 128-register cap
-    (``production.WIDE_NARROW_SCAN``, timed in section 42: N16 / N32 -7 to -8%), full size, with and without Z: the
-    test that lets the dispatcher take it."""
-    from mamba3_mimo.ops.production import choose_config
-
+def test_official_wide_narrow_scan(check_kernel, monkeypatch, shape, z):
+    """The dispatcher's config with ``production.WIDE_NARROW_SCAN`` on (the N <= 32 local-state scan over all of
+    P = 64, twice the segments; timed in section 42: N16 / N32 -7 to -8%), full size, with and without Z: the test
+    that lets the dispatcher take it."""
     sizes = parse_shape(shape)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           has_z=z, **sizes)
-    assert chosen.local_states and chosen.block_half == 16
+    monkeypatch.setattr(production, "WIDE_NARROW_SCAN", True)
+    production.choose_config.cache_clear()
+    try:
+        config = production.choose_config(
+            B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count, has_z=z, **sizes)
+    finally:
+        production.choose_config.cache_clear()  # no config of the flag's outlives the test
+    assert config.local_states and config.block_half == 16 and config.block_p == sizes["P"]
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
-                 ref_device="kernel",
-                 config=dataclasses.replace(chosen, block_p=64, n_segments=8, scan_max_registers=128), **sizes)
+                 ref_device="kernel", config=config, **sizes)
 
 
 @pytest.mark.parametrize("shape", QUICK_SHAPES)

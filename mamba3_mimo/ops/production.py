@@ -368,7 +368,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
             per_sm, scan_max_registers = HALF_TABLE_SCAN_RESIDENCY.get(block_half, (per_sm, 0))
             if WIDE_NARROW_SCAN and (block_half, p_pow) in WIDE_NARROW_SCAN_RESIDENCY:
                 block_p = p_pow
-                tiles = cdiv(half_pow, block_half)
+                tiles = cdiv(half_pow, block_half) * cdiv(p_pow, block_p)
                 per_sm, scan_max_registers = WIDE_NARROW_SCAN_RESIDENCY[block_half, p_pow]
             if (block_half, block_p) in PREFETCH_SCAN_RESIDENCY:
                 per_sm, scan_max_registers = PREFETCH_SCAN_RESIDENCY[block_half, block_p], 0
@@ -535,7 +535,7 @@ def inner_chunk_decays(*, da_cs, da_cs_rev, chunk_size, inner_chunk):
     inner_start = t - (t % chunk_size) % inner_chunk
     starts_outer = inner_start % chunk_size == 0
     before = da_cs[:, :, (inner_start - 1).clamp(min=0)]
-    inner_da_cs = da_cs - torch.where(starts_outer, torch.zeros_like(before), before)
+    inner_da_cs = da_cs - before.masked_fill(starts_outer, 0.0)
     inner_last = torch.clamp(inner_start + inner_chunk - 1, max=S - 1)
     inner_da_cs_rev = da_cs_rev - da_cs_rev[:, :, inner_last]
     return inner_da_cs.contiguous(), inner_da_cs_rev.contiguous()
