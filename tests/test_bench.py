@@ -174,7 +174,7 @@ def test_dispatcher_state_spans(N, P, R, C, state_span):
 
 @pytest.fixture(params=[False, True], ids=["narrow_p", "wide_p"])
 def wide_narrow_scan(request, monkeypatch):
-    """The dispatcher with production.WIDE_NARROW_SCAN as it is (off until GPU-tested) and turned on."""
+    """The dispatcher with production.WIDE_NARROW_SCAN off (the 32-wide tile it replaced) and on (the default)."""
     monkeypatch.setattr(production, "WIDE_NARROW_SCAN", request.param)
     choose_config.cache_clear()
     yield request.param
@@ -192,8 +192,8 @@ def test_dispatcher_local_state_segments_fill_one_wave(N, P, R, C, has_z, segmen
     fp16 rotation tables the narrow tiles take a register cap that fits 4 / 5 programs an SM, and one more
     segment (sweep of f67b954); the 64-wide tiles keep theirs.  The [2 x 32, 64] tile of N64_P128 loads a step
     ahead at 2 programs an SM instead (sweeps of f57a6ee).  At N <= 32 with P = 64 the scan takes all of P in one
-    tile at 4 programs an SM, which doubles the segments of one wave (sweep of a45a4ab, section 42; behind
-    ``WIDE_NARROW_SCAN`` until GPU-tested)."""
+    tile at 4 programs an SM, which doubles the segments of one wave (sweep of a45a4ab, section 42;
+    ``WIDE_NARROW_SCAN``, on since its GPU test passed in section 43)."""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132, has_z=has_z,
                            half_tables=half_tables, swept_knobs=False)  # the Triton scan's rule (the Gluon one above)
     prefetch = half_tables and (config.block_half, config.block_p) in PREFETCH_SCAN_RESIDENCY
