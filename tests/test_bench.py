@@ -133,8 +133,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
-             "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "out_max_registers", "n_segments")
-    assert not any(getattr(plain, name) for name in knobs[:-2])
+             "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "out_max_registers", "n_segments",
+             "out_span_chunks", "out_num_warps")
+    assert not any(getattr(plain, name) for name in knobs[:-4])
     gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
     assert config.n_segments == (2 * 132 // gluon_programs if parse_case(case)["N"] == 64 and config.local_states
                                  else plain.n_segments)
@@ -157,19 +158,26 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))
     if config.split_gate:
-        want_cap = {16: 128, 32: 128, 64: 128, 128: 128 if half else 168, 256: 0}[parse_case(case)["N"]]
+        # N16 with the bf16 rotation: chunk_scan over single chunks at 2 warps and 96 registers (section 43).
+        small_chunks = half and parse_case(case)["N"] <= 32 and parse_case(case)["chunk_size"] * R <= 32
+        assert small_chunks is (half and case == "N16_P64_R4_C8")
+        want_cap = {16: 96 if small_chunks else 128, 32: 128, 64: 128, 128: 128 if half else 168,
+                    256: 0}[parse_case(case)["N"]]
         assert config.out_max_registers == want_cap
-        assert plain.out_max_registers == {128: 168}.get(parse_case(case)["N"], want_cap)
+        assert plain.out_max_registers == {128: 168, 16: 128}.get(parse_case(case)["N"], want_cap)
+        assert (config.out_span_chunks, config.out_num_warps) == ((1, 2) if small_chunks else
+                                                                  (plain.out_span_chunks, plain.out_num_warps))
 
 
 @pytest.mark.parametrize("N,P,R,C,state_span", [(16, 64, 4, 8, 2), (32, 64, 4, 16, 1), (256, 64, 4, 8, 1),
                                                 (128, 128, 4, 8, 1), (64, 64, 2, 8, 2)])
 def test_dispatcher_state_spans(N, P, R, C, state_span):
-    """The storing scan takes two chunks a step where the output stage spans short chunks, at N <= 64 only
-    (optimization.md 18); R = 2, C = 8 spans four chunks in the output stage and two in the scan."""
+    """The storing scan takes two chunks a step where short chunks are read in spans of SPAN_ROWS rows, at N <= 64
+    only (optimization.md 18); R = 2, C = 8 spans four chunks in the end-state scan and two in the storing scan.
+    (chunk_scan may take single chunks instead: SMALL_CHUNK_SCAN, N16.)"""
     config = choose_config(B=4, H=16, S=2048, N=N, P=P, R=R, chunk_size=C, num_sms=132)
     assert config.state_span_chunks == state_span
-    assert state_span == 1 or config.out_span_chunks >= state_span
+    assert state_span == 1 or config.end_span_chunks >= state_span
 
 
 @pytest.fixture(params=[False, True], ids=["narrow_p", "wide_p"])

@@ -87,6 +87,15 @@ MIN_CHUNKS_PER_SEGMENT = 4
 GLUON_SCAN_PROGRAMS_PER_SM = 2
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
+# chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
+# N/2 tile 16 wide (N <= 32), each chunk_scan program takes one chunk (not a span of SPAN_ROWS) at
+# SMALL_CHUNK_SCAN = (warps, register cap): more, smaller programs in flight per SM for a kernel held by latency
+# (section 43).  H100, a364ee9, graph us, N16_P64_R4_C8 (a span of 2 chunks at 4 warps, 128 cap -> one chunk at 2
+# warps, 96 cap): with Z 236.2 -> 220.0 (chunk_scan 111.4 -> 95.9), without Z 203.2 -> 159.3 (the gated chunk_scan
+# 139.2 -> 91.1); one chunk at 4 warps and a 64 cap 223.6 / 167.2.  At large N it loses: N256_P64_R4_C8 693 -> 1005,
+# N128_P128_R4_C8 695 -> 782 (one chunk, 4 warps, 128 cap); 64-row chunks at 2 warps lose too (N32 234 -> 288).
+SMALL_CHUNK_ROWS = 32
+SMALL_CHUNK_SCAN = (2, 96)
 # (token, rank) rows of the largest chunk the kernels take (next_pow2(C) * next_pow2(R), the official grid's): the
 # output stage's score tile is [rows, rows].  Larger chunks are walked as inner chunks (``inner_chunk_size``).
 MAX_KERNEL_ROWS = 64
@@ -380,6 +389,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # N64_P64_R4_C16 403 -> 400) and a [2 x 64, 64] tile loses (N128_P64_R4_C16 411 -> 595, state scan 122 -> 304).
     # Two chunks at most: the only count timed to win (four spans' products each cover the whole span's rows).
     state_span_chunks = min(span_chunks, 2) if N <= 64 else 1
+    out_span_chunks = span_chunks
     swept = DISPATCH_SWEPT_KNOBS if swept_knobs is None else swept_knobs
     if swept and local_states and N == 64:
         # The Gluon scan (gluon_scan, below) at N = 64: one wave of its programs (two an SM, a [64, P tile] state
@@ -436,6 +446,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
             out_max_registers = 128
         elif N <= 128:
             out_max_registers = 168
+        if half_rotation and half_pow <= 16 and chunk_size * next_power_of_2(R) <= SMALL_CHUNK_ROWS:
+            out_span_chunks = 1
+            out_num_warps, out_max_registers = SMALL_CHUNK_SCAN
         if not gate_in_scan:
             gate_tokens = gate_tokens_per_program(B=B, H=H, S=S, R=R, P=P, num_sms=num_sms)
     # gate_grads as the Gluon kernel (TMA ring) at R = 4 and 8 (docs/optimization.md section 37).  H100, 78c9439,
@@ -454,7 +467,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     fold_one_scan = bool(swept and local_states)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
-                      ranks_per_step=ranks_per_step, out_span_chunks=span_chunks, end_span_chunks=span_chunks,
+                      ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
                       gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
                       scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
