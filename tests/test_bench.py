@@ -134,8 +134,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "out_max_registers", "n_segments",
-             "out_span_chunks", "out_num_warps")
-    assert not any(getattr(plain, name) for name in knobs[:-4])
+             "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
+    assert not any(getattr(plain, name) for name in knobs[:-6])
     gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
     assert config.n_segments == (2 * 132 // gluon_programs if parse_case(case)["N"] == 64 and config.local_states
                                  else plain.n_segments)
@@ -150,7 +150,13 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     # P = 128 (a loss on the H200) keep the Triton kernel.
     R, P = parse_case(case)["R"], parse_case(case)["P"]
     assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8) and P <= 64)
-    assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64)
+    small_chunks = half and parse_case(case)["N"] <= 32 and parse_case(case)["chunk_size"] * R <= 32
+    assert small_chunks is (half and case == "N16_P64_R4_C8")
+    # N16 with the bf16 rotation: chunk_scan over single chunks at 2 warps and 96 registers, applying the gate with Z
+    # too (section 43); elsewhere the gate goes in chunk_scan without Z and at R = 1 (section 18).
+    assert config.gate_in_scan is (small_chunks or not has_z or R == 1)
+    assert plain.gate_in_scan is (not has_z or R == 1)
+    assert config.gluon_gate is (has_z and R in (4, 8) and P <= 64 and not small_chunks)
     # The Gluon two-pass scan in one segment, and the one-scan fold with local states (timed on an H100, section 40).
     assert config.gluon_segments == (0 if config.local_states else 1)
     assert config.fold_one_scan is config.local_states
@@ -158,9 +164,6 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))
     if config.split_gate:
-        # N16 with the bf16 rotation: chunk_scan over single chunks at 2 warps and 96 registers (section 43).
-        small_chunks = half and parse_case(case)["N"] <= 32 and parse_case(case)["chunk_size"] * R <= 32
-        assert small_chunks is (half and case == "N16_P64_R4_C8")
         want_cap = {16: 96 if small_chunks else 128, 32: 128, 64: 128, 128: 128 if half else 168,
                     256: 0}[parse_case(case)["N"]]
         assert config.out_max_registers == want_cap

@@ -204,11 +204,13 @@ PRODUCTION_CONFIGS = [
     # chunks a storing step, more segments than chunks.
     ScanConfig(block_p=64, n_segments=8, block_half=16, out_block_p=64, local_states=True, split_gate=True,
                state_span_chunks=2, scan_max_registers=128, fold_one_scan=True),
-    # chunk_scan over single 32-row chunks at 2 warps and 96 registers beside a storing scan of two chunks a step, in
-    # the bf16 rotation's low-register order (the dispatcher's N16 rule, SMALL_CHUNK_SCAN, section 43).
+    # chunk_scan over single 32-row chunks at 2 warps and 96 registers, applying the gate (Z on), beside a storing
+    # scan of two chunks a step, in the bf16 rotation's low-register order (the dispatcher's N16 rule,
+    # SMALL_CHUNK_SCAN, section 43).
     ScanConfig(block_p=64, n_segments=3, block_half=16, out_block_p=64, local_states=True, split_gate=True,
                state_span_chunks=2, out_span_chunks=1, out_num_warps=2, out_max_registers=96, fold_one_scan=True,
-               scan_half_rotation=True, out_half_rotation=True, out_q_cast_early=True, out_y_state_early=True),
+               gate_in_scan=True, scan_half_rotation=True, out_half_rotation=True, out_q_cast_early=True,
+               out_y_state_early=True),
 ]
 
 

@@ -431,6 +431,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 292 -> 293.  It loses where the scan loads ahead (N64_P128 466 -> 482 with Z, 385 -> 446 without) and in the
     # two-pass scans (N256 793 -> 873, state scan 383 -> 476; N128_P128 815 -> 822; N16 without Z 248 -> 258).
     half_rotation = bool(swept and half_tables and local_states and not scan_prefetch)
+    small_chunks = bool(split_gate and half_rotation and half_pow <= 16
+                        and chunk_size * next_power_of_2(R) <= SMALL_CHUNK_ROWS)
+    if small_chunks:
+        # The single-chunk chunk_scan applies the gate with Z too (H100, c4cc822, graph us, N16_P64_R4_C8, gate_grads
+        # -> gate in chunk_scan, both at 2 warps and 96 registers): 218.5 -> 207.9 (chunk_scan 96 + gate_grads 63 ->
+        # 128 + group_sum 22); at 4 warps it loses (232.8 at a 64 cap, 266.9 at 128).
+        gate_in_scan = True
     if split_gate:
         # 4 warps (8 lose everywhere: N128_P64_R4_C16 544 -> 809, N256 1051 -> 1316); 168 registers fit three
         # programs per SM (N128_P64_R4_C16 555 -> 544, R8_C8 1033 -> 911, R1_C64 193 -> 184, its 40 B of
@@ -446,7 +453,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
             out_max_registers = 128
         elif N <= 128:
             out_max_registers = 168
-        if half_rotation and half_pow <= 16 and chunk_size * next_power_of_2(R) <= SMALL_CHUNK_ROWS:
+        if small_chunks:
             out_span_chunks = 1
             out_num_warps, out_max_registers = SMALL_CHUNK_SCAN
         if not gate_in_scan:

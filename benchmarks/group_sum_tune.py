@@ -1,0 +1,83 @@
+"""Time ``_group_sum_kernel``'s tile shapes on the partial tensors of the official shapes (device only).
+
+    python benchmarks/group_sum_tune.py --json out.json
+
+``sum_group_partials`` reduces the output stage's [B, H, groups, R, P] fp32 partials over the groups.  With
+chunk_scan applying the gate over single chunks (N16, section 43) the partials are 256 groups deep and the
+reduction took 22 us of a 208 us call (H100) for 34 MB: 1.5 TB/s.  This times every (groups a step, columns a
+program, warps, stages) of the grid below on each partial shape, checks each variant's sums against torch's, and
+prints the best and the module's current choice.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mamba3_mimo.ops import group_sum  # noqa: E402
+from mamba3_mimo.ops.host_utils import cdiv, next_power_of_2  # noqa: E402
+
+# (label, [B, H, groups, R, P], with Z): the partials of the dispatcher's gate-in-scan and gate_grads shapes.
+SHAPES = [
+    ("N16 gate in scan, Z", (4, 16, 256, 4, 64), True),
+    ("N16 gate in scan, no Z", (4, 16, 256, 4, 64), False),
+    ("R8_C8 no Z", (4, 16, 256, 8, 64), False),
+    ("N128_P64_R4_C16 no Z", (4, 16, 128, 4, 64), False),
+    ("R1_C64 Z", (4, 16, 32, 1, 64), True),
+]
+GRID = dict(block_g=(64, 128, 256), block_cols=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 3))
+
+
+def run_variant(dphi, dzeta, out_o, out_z, block_g, block_cols, num_warps, num_stages):
+    B, H, n_groups, R, P = dphi.shape
+    block_rp = min(block_cols, next_power_of_2(R * P))
+    has_z = dzeta is not None
+    group_sum._group_sum_kernel[(cdiv(R * P, block_rp), B * H)](
+        dphi, dzeta if has_z else dphi, out_o, out_z if has_z else out_o, n_groups,
+        RP=R * P, BLOCK_G=min(block_g, next_power_of_2(n_groups)), BLOCK_RP=block_rp, HAS_Z=has_z,
+        num_warps=num_warps, num_stages=num_stages)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = []
+    for label, shape, has_z in SHAPES:
+        dphi = torch.randn(shape, device="cuda")
+        dzeta = torch.randn(shape, device="cuda") if has_z else None
+        want_o = dphi.sum(2)
+        want_z = dzeta.sum(2) if has_z else None
+        rows = []
+        for block_g, block_cols, num_warps, num_stages in itertools.product(*GRID.values()):
+            out_o = torch.full_like(want_o, float("nan"))
+            out_z = torch.full_like(want_o, float("nan")) if has_z else None
+            run_variant(dphi, dzeta, out_o, out_z, block_g, block_cols, num_warps, num_stages)
+            torch.testing.assert_close(out_o, want_o, rtol=1e-5, atol=1e-4)
+            if has_z:
+                torch.testing.assert_close(out_z, want_z, rtol=1e-5, atol=1e-4)
+            us = 1e3 * triton.testing.do_bench_cudagraph(
+                lambda: run_variant(dphi, dzeta, out_o, out_z, block_g, block_cols, num_warps, num_stages))
+            rows.append(dict(block_g=block_g, block_cols=block_cols, num_warps=num_warps, num_stages=num_stages,
+                             us=us))
+        current = next(r for r in rows if r["block_g"] == group_sum.BLOCK_GROUPS and
+                       r["block_cols"] == group_sum.BLOCK_COLS and r["num_warps"] == 4 and r["num_stages"] == 3)
+        rows.sort(key=lambda r: r["us"])
+        mbytes = dphi.numel() * 4 * (2 if has_z else 1) / 1e6
+        print(f"{label} {list(shape)}: {mbytes:.1f} MB; current {current['us']:.1f} us; best:")
+        for r in rows[:5]:
+            print(f"    {r}")
+        results.append(dict(label=label, shape=list(shape), has_z=has_z, mbytes=mbytes, current=current, rows=rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
