@@ -11,8 +11,9 @@
 # gate_grads at P = 128 on the H200 (run it on an H200 only; ran at 6c2c07a, section 39); part 19 the two-pass
 # shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
 # programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
-# (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24 bash benchmarks/sweep_prepared.sh
+# (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
+# more, smaller programs.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24|25 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -287,8 +288,19 @@ case "${PART:-1}" in
     sweep small_scan_tile_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16" \
       KNOBS="block_p=64+n_segments=8:10+scan_max_registers=96:128"
     ;;
+  25)
+    # chunk_scan in more, smaller programs (section 43, measured at a364ee9 / c4cc822 on an H100): N16 one chunk a
+    # program at 1 / 2 / 4 warps and caps 64-168, the gate in it with Z; the 64-row shapes in smaller programs (a
+    # 32-wide P tile, 2 warps) lose.  With the dispatcher's rule on, N16's baseline is the rule itself.
+    sweep small_programs CASES="N16_P64_R4_C8" KNOBS="out_span_chunks=2+out_num_warps=4+out_max_registers=128+gate_in_scan=0+gluon_gate=1,\
+out_span_chunks=1+out_max_registers=64:96,out_span_chunks=1+out_num_warps=2+out_max_registers=96:128+gate_in_scan=0:1+gluon_gate=1"
+    sweep small_programs_noz NOZ=1 CASES="N16_P64_R4_C8" KNOBS="out_span_chunks=2+out_num_warps=4+out_max_registers=128,\
+out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
+    sweep small_programs_64_rows CASES="N32_P64_R4_C16 N64_P64_R4_C16" \
+      KNOBS="out_block_p=32+out_max_registers=64:96,out_num_warps=2+out_max_registers=128:232"
+    ;;
   *)
-    echo "PART must be 1 to 22, or 24" >&2
+    echo "PART must be 1 to 22, 24 or 25" >&2
     exit 2
     ;;
 esac
