@@ -39,8 +39,10 @@ def compiled():
 
 
 def test_compiles_on_the_official_gate_shapes_without_spill_within_99_kb(compiled):
-    # Every official shape whose dispatcher config runs gate_grads (Z on): all but R1_C64 (the gate in chunk_scan).
-    assert len(compiled) == 10, compiled
+    # Every official shape whose dispatcher config runs gate_grads (Z on): all but R1_C64 and N16 (the gate in
+    # chunk_scan: sections 18 and 43).
+    assert len(compiled) == 9, compiled
+    assert not {"N16_P64_R4_C8", "N128_P64_R1_C64"} & {record["case"] for record in compiled}
     for record in compiled:
         R = int(record["case"].split("_")[2][1:])
         assert record["num_buffers"] == gluon_gate_grads.tile_variant(R)["num_buffers"]

@@ -126,9 +126,9 @@ def compile_pdl_calls():
             compiled[call][key] = dependent_launch_summary(aot_report.compile_launch(name, args, kwargs), name)
     compiled["gluon"] = {f"gluon_scan-{role}": dependent_launch_summary(
         gluon_scan_probe.compile_for_sm90("N128_P64_R4_C16", role=role, gdc=True)) for role in gluon_scan_probe.ROLES}
-    gate_config = dict(gluon_gate_grads_check.gate_cases())["N16_P64_R4_C8"]
+    gate_case, gate_config = gluon_gate_grads_check.gate_cases()[0]  # the first official shape that runs gate_grads
     compiled["gluon"]["gluon_gate"] = dependent_launch_summary(
-        gluon_gate_grads_check.compile_for_sm90("N16_P64_R4_C8", gate_config, gdc=True)["kernel"], "gluon_gate")
+        gluon_gate_grads_check.compile_for_sm90(gate_case, gate_config, gdc=True)["kernel"], "gluon_gate")
     return compiled
 
 
