@@ -334,8 +334,7 @@ SPLIT_GATE_CASES = [
     # padding ranks (R = 6 in 8) with local states, one rank.
     dict(S=45, chunk_size=8, R=3, G=2, N=32, P=48, n_segments=2, out_span=2, local=False, out_block_p=16, z=True,
          spans_per_program=4, gate_in_scan=True),
-    # ... and walking spans in a runtime loop with one dPhi / dZeta partial a program (section 43): local states, a
-    # last program with a span past the sequence.
+    # ... with local states, three spans a program and a last program with a span past the sequence (section 43).
     dict(S=70, chunk_size=16, R=2, G=1, N=32, P=32, n_segments=3, out_span=1, local=True, out_block_p=32, z=True,
          spans_per_program=3, gate_in_scan=True),
     dict(S=37, chunk_size=4, R=4, G=1, N=16, P=16, n_segments=2, out_span=4, local=False, out_block_p=16, z=False,

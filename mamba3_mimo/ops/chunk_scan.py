@@ -233,66 +233,11 @@ def _chunk_scan_kernel(
 
 
 @triton.jit
-def _span_gate_grads(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-    da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
-    dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr,
-    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-    C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
-    HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
-    PRECISE_EXP: tl.constexpr, GDC: tl.constexpr,
-):
-    """The gate applied to one span's raw_y in registers: stores dz of the span's tokens, returns its sums of dPhi
-    and dZeta ([BLOCK_R, BLOCK_P] fp32 each; dZeta is zeros without Z), the tile's columns and their mask."""
-    b = bh // H
-    h = bh % H
-    L: tl.constexpr = C * SPAN_CHUNKS
-    tok = tl.arange(0, BLOCK_L)
-    rank = tl.arange(0, BLOCK_R)
-    rank_mask = rank < R
-    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
-    raw_y, _, _, _, offs_p, p_mask = _span_raw_y(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-        da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
-        S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
-        C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
-        DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
-    # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
-    t_tok = span * L + tok
-    tok_mask = (tok < L) & (t_tok < S)
-    y = tl.reshape(raw_y, (BLOCK_L, BLOCK_R, BLOCK_P))
-    if HAS_D and D_AT_GATE:
-        d_psi = tl.load(d_ptr + h).to(tl.float32) * load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p,
-                                                              p_mask)
-        y += d_psi[None, :, :] * load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
-    y_dout = y * load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
-    phi = load_rows(phi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-    if HAS_Z:
-        z = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
-        zeta = load_rows(zeta_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
-        gate, dgate = silu_and_grad(z * zeta[None, :, :], FAST_SIGMOID, PRECISE_SIGMOID)
-        du_over_phi = y_dout * dgate  # dL/du without its Phi factor
-        dphi = tl.sum(gate * y_dout, axis=0)
-        dzeta = phi * tl.sum(du_over_phi * z, axis=0)
-        dz = tl.sum(du_over_phi * (phi * zeta)[None, :, :], axis=1)
-        dz_offs = hp_seq + t_tok[:, None] * (H * P) + offs_p[None, :]
-        tl.store(dz_ptr + dz_offs, dz.to(dz_ptr.dtype.element_ty), mask=tok_mask[:, None] & p_mask[None, :])
-    else:
-        dphi = tl.sum(y_dout, axis=0)
-        dzeta = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-    return dphi, dzeta, offs_p, p_mask
-
-
-@triton.jit
 def _chunk_scan_gate_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
     dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
-    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, N_GROUPS,
+    S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, N_SPANS,
     C: tl.constexpr, R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, RD: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
@@ -302,48 +247,57 @@ def _chunk_scan_gate_kernel(
     PRECISE_EXP: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
-    """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the program's
-    tokens and one partial sum of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials) per program.
+    """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
+    tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
 
     D_AT_GATE (with HAS_D): the D skip joins the gate's fp32 [tokens, ranks, cols] math from v and Psi, instead of
     _span_raw_y's volatile reload after its products."""
     pid_p = tl.program_id(0)
-    group = tl.program_id(1)  # the program's spans, and the row of its dPhi / dZeta partial
+    first_span = tl.program_id(1) * SPANS_PER_PROGRAM
     bh = tl.program_id(2).to(tl.int64)
-    if SPANS_PER_PROGRAM == 1:
-        dphi, dzeta, offs_p, p_mask = _span_gate_grads(
+    b = bh // H
+    h = bh % H
+    L: tl.constexpr = C * SPAN_CHUNKS
+    tok = tl.arange(0, BLOCK_L)
+    rank = tl.arange(0, BLOCK_R)
+    rank_mask = rank < R
+    hp_seq = (b * S * H + h) * P  # [B, S, H, P] activations at (b, 0, h, 0)
+    for step in tl.static_range(SPANS_PER_PROGRAM):
+        span = first_span + step
+        raw_y, _, _, _, offs_p, p_mask = _span_raw_y(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
-            dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr,
-            S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, group, bh,
-            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE,
-            HAS_Z, FAST_SIGMOID, PRECISE_SIGMOID, D_AT_GATE, PRECISE_EXP, GDC)
-    else:
-        # A runtime loop: one span's tiles live at a time (the unrolled form kept every span's live and lost,
-        # section 17) and the partial sums carried, so a program stores one partial, not one per span (section 43).
-        # Spans past the sequence (the last program's) load nothing and add zeros.
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        p_mask = offs_p < P
-        dphi = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-        dzeta = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-        for step in range(SPANS_PER_PROGRAM):
-            span_dphi, span_dzeta, _, _ = _span_gate_grads(
-                q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
-                da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr,
-                qk_dot_ptr, dout_ptr, z_ptr, phi_ptr, zeta_ptr, dz_ptr,
-                S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, group * SPANS_PER_PROGRAM + step, bh,
-                C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-                DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE,
-                HAS_Z, FAST_SIGMOID, PRECISE_SIGMOID, D_AT_GATE, PRECISE_EXP, GDC)
-            dphi += span_dphi
-            dzeta += span_dzeta
-    rank = tl.arange(0, BLOCK_R)
-    part = ((bh * N_GROUPS + group) * R + rank[:, None]) * P + offs_p[None, :]
-    part_mask = (rank < R)[:, None] & p_mask[None, :] & (group < N_GROUPS)  # always true; kept for the PTX
-    tl.store(dphi_ptr + part, dphi, mask=part_mask)
-    if HAS_Z:
-        tl.store(dzeta_ptr + part, dzeta, mask=part_mask)
+            S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
+            C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
+        # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
+        t_tok = span * L + tok
+        tok_mask = (tok < L) & (t_tok < S)
+        y = tl.reshape(raw_y, (BLOCK_L, BLOCK_R, BLOCK_P))
+        if HAS_D and D_AT_GATE:
+            d_psi = tl.load(d_ptr + h).to(tl.float32) * load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p,
+                                                                  p_mask)
+            y += d_psi[None, :, :] * load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        y_dout = y * load_rows(dout_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+        phi = load_rows(phi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+        if HAS_Z:
+            z = load_rows(z_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)[:, None, :]
+            zeta = load_rows(zeta_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
+            gate, dgate = silu_and_grad(z * zeta[None, :, :], FAST_SIGMOID, PRECISE_SIGMOID)
+            du_over_phi = y_dout * dgate  # dL/du without its Phi factor
+            dphi = tl.sum(gate * y_dout, axis=0)
+            dzeta = phi * tl.sum(du_over_phi * z, axis=0)
+            dz = tl.sum(du_over_phi * (phi * zeta)[None, :, :], axis=1)
+            dz_offs = hp_seq + t_tok[:, None] * (H * P) + offs_p[None, :]
+            tl.store(dz_ptr + dz_offs, dz.to(dz_ptr.dtype.element_ty), mask=tok_mask[:, None] & p_mask[None, :])
+        else:
+            dphi = tl.sum(y_dout, axis=0)
+        # Spans past the sequence (the last program's, SPANS_PER_PROGRAM > 1) have no partial row.
+        part = ((bh * N_SPANS + span) * R + rank[:, None]) * P + offs_p[None, :]
+        part_mask = rank_mask[:, None] & p_mask[None, :] & (span < N_SPANS)
+        tl.store(dphi_ptr + part, dphi, mask=part_mask)
+        if HAS_Z:
+            tl.store(dzeta_ptr + part, dzeta, mask=part_mask)
 
 
 def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
@@ -382,8 +336,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         dout, z: [B, S, H, P] (z may be None); mimo_o, mimo_z: [H, R, P] fp32 (mimo_z None without z);
         dz: [B, S, H, P] or None (without z).
     Returns:
-        None; with ``dout``: dphi_partial, dzeta_partial: [B, H, n_programs, R, P] fp32, one row per program along
-        the spans (n_programs = cdiv(n_spans, spans_per_program)) (dzeta_partial None
+        None; with ``dout``: dphi_partial, dzeta_partial: [B, H, n_spans, R, P] fp32 (dzeta_partial None
         without z), to be summed over dim 2 by ``sum_group_partials``.
     """
     B, S, R, G, N = q.shape
@@ -420,9 +373,9 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                SCALED_RAW_Y=scaled)
         return None
     has_z = z is not None
-    dphi = torch.empty((B, H, grid[1], R, P), device=q.device, dtype=torch.float32)
+    dphi = torch.empty((B, H, n_spans, R, P), device=q.device, dtype=torch.float32)
     dzeta = torch.empty_like(dphi) if has_z else None
     launch(_chunk_scan_gate_kernel, grid, *inputs, dout, z if has_z else dout, mimo_o, mimo_z if has_z else mimo_o,
-           dz if has_z else dout, dphi, dzeta if has_z else dphi, *sizes, grid[1], **constants,
+           dz if has_z else dout, dphi, dzeta if has_z else dphi, *sizes, n_spans, **constants,
            HAS_Z=has_z, **host_utils.sigmoid_units(q), D_AT_GATE=d_in_gate)
     return dphi, dzeta
