@@ -153,7 +153,7 @@ class ScanConfig:
     timed and lost everywhere (section 19: N256 state scan 471 -> 560 us).
     gate_in_scan: with split_gate, ``chunk_scan`` applies the gate to its raw_y tile in registers (dz and
     per-span dPhi / dZeta partials) instead of storing raw_y for ``gate_grads`` (the dispatcher's choice without
-    Z, and with Z at R = 1).
+    Z, and with Z at R = 1 and in the single-chunk chunk_scan of ``SMALL_CHUNK_SCAN``).
     half_raw_y: with split_gate and bf16 activations, the raw_y scratch between ``chunk_scan`` and
     ``gate_grads`` is fp16 with a power-of-two scale per row (half the bytes of fp32 each way, 2^-12
     relative; ``raw_y_scratch_dtype``); other activations, or False, keep it fp32.
