@@ -21,7 +21,6 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mamba3_mimo.ops import group_sum  # noqa: E402
-from mamba3_mimo.ops.host_utils import cdiv, next_power_of_2  # noqa: E402
 
 # (label, [B, H, groups, R, P], with Z): the partials of the dispatcher's gate-in-scan and gate_grads shapes.
 SHAPES = [
@@ -35,13 +34,9 @@ GRID = dict(block_g=(64, 128, 256), block_cols=(16, 32, 64), num_warps=(4, 8), n
 
 
 def run_variant(dphi, dzeta, out_o, out_z, block_g, block_cols, num_warps, num_stages):
-    B, H, n_groups, R, P = dphi.shape
-    block_rp = min(block_cols, next_power_of_2(R * P))
-    has_z = dzeta is not None
-    group_sum._group_sum_kernel[(cdiv(R * P, block_rp), B * H)](
-        dphi, dzeta if has_z else dphi, out_o, out_z if has_z else out_o, n_groups,
-        RP=R * P, BLOCK_G=min(block_g, next_power_of_2(n_groups)), BLOCK_RP=block_rp, HAS_Z=has_z,
-        num_warps=num_warps, num_stages=num_stages)
+    group_sum.sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=out_o, dmimo_z=out_z,
+                                 block_groups=block_g, block_cols=block_cols, num_warps=num_warps,
+                                 num_stages=num_stages)
 
 
 def main():
@@ -66,6 +61,7 @@ def main():
                 lambda: run_variant(dphi, dzeta, out_o, out_z, block_g, block_cols, num_warps, num_stages))
             rows.append(dict(block_g=block_g, block_cols=block_cols, num_warps=num_warps, num_stages=num_stages,
                              us=us))
+        # sum_group_partials' defaults (num_stages None: Triton's default, 3 on Hopper).
         current = next(r for r in rows if r["block_g"] == group_sum.BLOCK_GROUPS and
                        r["block_cols"] == group_sum.BLOCK_COLS and r["num_warps"] == 4 and r["num_stages"] == 3)
         rows.sort(key=lambda r: r["us"])

@@ -46,18 +46,21 @@ def _group_sum_kernel(
         tl.store(dmimo_z_ptr + out_offs, dzeta_sum.to(dmimo_z_ptr.dtype.element_ty), mask=col_mask)
 
 
-def sum_group_partials(*, dphi_partial, dzeta_partial, dmimo_o, dmimo_z):
+def sum_group_partials(*, dphi_partial, dzeta_partial, dmimo_o, dmimo_z, block_groups=BLOCK_GROUPS,
+                       block_cols=BLOCK_COLS, num_warps=4, num_stages=None):
     """dmimo_o[b, h] = sum_g dphi_partial[b, h, g] (and dmimo_z from dzeta_partial), in place.
 
     Args:
         dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 contiguous (dzeta_partial may be None);
-        dmimo_o, dmimo_z: [B, H, R, P] contiguous, any float dtype (dmimo_z None with dzeta_partial).
+        dmimo_o, dmimo_z: [B, H, R, P] contiguous, any float dtype (dmimo_z None with dzeta_partial);
+        block_groups, block_cols, num_warps, num_stages: the tile and launch (num_stages None: Triton's default),
+            other than the defaults only for ``benchmarks/group_sum_tune.py``.
     """
     B, H, n_groups, R, P = dphi_partial.shape
     has_z = dzeta_partial is not None
-    block_rp = min(BLOCK_COLS, next_power_of_2(R * P))
+    block_rp = min(block_cols, next_power_of_2(R * P))
     launch(_group_sum_kernel, (cdiv(R * P, block_rp), B * H),
         dphi_partial, dzeta_partial if has_z else dphi_partial, dmimo_o, dmimo_z if has_z else dmimo_o, n_groups,
-        RP=R * P, BLOCK_G=min(BLOCK_GROUPS, next_power_of_2(n_groups)), BLOCK_RP=block_rp, HAS_Z=has_z,
-        num_warps=4,
+        RP=R * P, BLOCK_G=min(block_groups, next_power_of_2(n_groups)), BLOCK_RP=block_rp, HAS_Z=has_z,
+        num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)),
     )
