@@ -12,8 +12,8 @@
 # shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
 # programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
-# more, smaller programs.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24|25 bash benchmarks/sweep_prepared.sh
+# more, smaller programs; part 26 (section 44) an L2 blocking probe.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24|25|26 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -299,8 +299,23 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
     sweep small_programs_64_rows CASES="N32_P64_R4_C16 N64_P64_R4_C16" \
       KNOBS="out_block_p=32+out_max_registers=64:96,out_num_warps=2+out_max_registers=128:232"
     ;;
+  26)
+    # L2 blocking probe (section 44): the same shapes at B = 1 (and H = 4 where one batch element's states
+    # pass 50 MB) against B = 4, each call on fresh inputs (4x the input sets at B = 1).  If 4 (16) calls of
+    # the small problem take much less than one of the large, running the pipeline on batch (head) slices,
+    # so that each kernel reads what the one before wrote from L2, is worth building.
+    for B in 4 1; do
+      sets=$(( B == 4 ? 2 : 8 ))
+      python3 -m mamba3_mimo.bench --impl production --B $B --input-sets $sets --breakdown \
+        --cases N16_P64_R4_C8 N64_P64_R4_C16 N128_P64_R4_C16 N128_P64_R8_C8 --json "$OUT/l2_probe_B$B.json" \
+        2>&1 | grep -v "^WARNING" | tail -n 14
+    done
+    python3 -m mamba3_mimo.bench --impl production --B 1 --H 4 --input-sets 16 --breakdown \
+      --cases N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 --json "$OUT/l2_probe_B1_H4.json" 2>&1 \
+      | grep -v "^WARNING" | tail -n 10
+    ;;
   *)
-    echo "PART must be 1 to 22, 24 or 25" >&2
+    echo "PART must be 1 to 22 or 24 to 26" >&2
     exit 2
     ;;
 esac
