@@ -12,8 +12,9 @@
 # shapes' Gluon scan in one segment; part 20 an Nsight Compute profile of chunk_scan; part 21 (section 40)
 # programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
-# more, smaller programs; part 26 (section 44) an L2 blocking probe.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24|25|26 bash benchmarks/sweep_prepared.sh
+# more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
+# part 19's last two sweeps.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-27 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -314,8 +315,16 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
       --cases N128_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8 --json "$OUT/l2_probe_B1_H4.json" 2>&1 \
       | grep -v "^WARNING" | tail -n 10
     ;;
+  27)
+    # Part 19's two sweeps that never ran (section 44): the local-state N = 128 shapes in two passes with the Gluon
+    # scan in one segment, and the flat token tables; first the launch-plan test that the single-chunk rule broke.
+    timeout 120 python3 -m pytest -q -p no:warnings -rf tests/test_launch.py -k launch_plan_replays 2>&1 | tail -n 3
+    sweep local_to_two_pass CASES="N128_P64_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32" \
+      KNOBS="local_states=0+gluon_segments=1+block_p=32:64"
+    sweep flat_tables CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" KNOBS="flat_tables=0:1"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 26" >&2
+    echo "PART must be 1 to 22 or 24 to 27" >&2
     exit 2
     ;;
 esac

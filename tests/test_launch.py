@@ -181,7 +181,9 @@ def test_launch_plan_replays_the_first_calls_kernels(monkeypatch):
 
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")
     monkeypatch.setattr(launch_module, "_plan_slots", {})  # every slot below is this test's
-    inputs = make_inputs(B=1, S=96, H=2, N=32, P=32, R=2, chunk_size=16, device="cuda",
+    # Chunks of 32 (token, rank) rows at N = 32 take the single-chunk gated chunk_scan (no gate_grads, four kernels,
+    # production.SMALL_CHUNK_SCAN); 64-row chunks keep the split stage's five or more.
+    inputs = make_inputs(B=1, S=96, H=2, N=32, P=32, R=2, chunk_size=32, device="cuda",
                          seed=seed_for("launch_plan"))
     first = bwd_fwd(**inputs, output_dtype=torch.float32)
     slots = dict(launch_module._plan_slots)
