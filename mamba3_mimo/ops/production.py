@@ -165,7 +165,8 @@ class ScanConfig:
     (chunk_scan -11 to -35 us, gate_grads +7 to +19); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it on the
     split shapes with P <= 64, with and without Z (sweeps of 01845e8: docs/optimization.md sections 30-31).
     flat_tables: ``token_tables`` indexes its tables flat (contiguous loads and stores of angles whatever RD and H
-    are) instead of per (b, h) and token block; untimed, off by default (docs/optimization.md section 27).
+    are) instead of per (b, h) and token block (docs/optimization.md section 27); with ``DISPATCH_SWEPT_KNOBS`` the
+    dispatcher sets it (timed in section 44: token_tables -3 to -9 us a call).
     out_q_cast_early / out_y_state_early: ``chunk_scan`` (both forms) narrows q~ to the dot dtype before k is
     loaded / forms q~ @ state right after the scores: the same arithmetic in an order with fewer live registers.
     Statically (``benchmarks/aot_report.py``) at N = 128 with Z both together compile to 0-56 B of spill at a
@@ -472,6 +473,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # The segment fold as one scan over the segments (section 40).  H100, d630d20, graph us: N16 256 -> 252,
     # N128_P64_R4_C16 364 -> 361, R1_C64 158 -> 156, N64_P64 313 -> 313 (segment_entry 6-8 -> 3-5 us).
     fold_one_scan = bool(swept and local_states)
+    # The flat token tables (section 44).  H100, 6f513c6, graph us (token_tables us): N16 208 -> 207 (7 -> 4),
+    # N128_P64_R4_C16 360 -> 355 (16 -> 11), N256 693 -> 684 (30 -> 21), R1_C64 155 -> 149 (18 -> 12).
+    flat_tables = bool(swept)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
@@ -480,7 +484,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
                       d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
                       out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept,
-                      gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan)
+                      gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
+                      flat_tables=flat_tables)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
