@@ -225,6 +225,26 @@ def test_production_configs(check_kernel, config, dtype):
     check_kernel("production", B=1, S=70, H=2, N=64, P=48, R=2, chunk_size=16, dtype=dtype, config=config)
 
 
+@pytest.mark.parametrize("gate_in_scan", [False, True], ids=["split", "gate-in-scan"])
+def test_production_wide_group_sum(check_kernel, monkeypatch, gate_in_scan):
+    """group_sum's wide tile (``production.WIDE_GROUP_SUM``, taken at N16 with Z on the GPU for its 256 chunk
+    partials) in the production path, with the threshold lowered so a small call takes it."""
+    monkeypatch.setattr(production, "WIDE_GROUP_SUM_GROUPS", 2)
+    tiles = []
+    plain = production.sum_group_partials
+
+    def spy(**kwargs):
+        tiles.append(kwargs.get("block_groups"))
+        return plain(**kwargs)
+
+    monkeypatch.setattr(production, "sum_group_partials", spy)
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")  # no call replay: every call goes through the spy
+    config = ScanConfig(block_p=16, n_segments=2, out_block_p=32, split_gate=True, gate_in_scan=gate_in_scan,
+                        gate_tokens=16)
+    check_kernel("production", B=1, S=70, H=2, N=32, P=32, R=2, chunk_size=8, dtype=F32, config=config)
+    assert tiles and set(tiles) == {production.WIDE_GROUP_SUM["block_groups"]}
+
+
 # Several query ranks per output step: R not divisible by the step (3 by 2), a step wider than R
 # (4 > 3), C = 8 and 4 (the shapes the step is for), a tail chunk (S = 45), GQA and no Z.
 RANK_STEP_CASES = [

@@ -28,11 +28,13 @@ from mamba3_mimo.ops.token_tables import token_tables
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n_groups,R,P", [(1, 1, 16), (45, 3, 40), (128, 4, 64), (130, 2, 24)])
+@pytest.mark.parametrize("tile", ["default", "wide"])
+@pytest.mark.parametrize("n_groups,R,P", [(1, 1, 16), (45, 3, 40), (128, 4, 64), (130, 2, 24), (300, 2, 24)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_z", [True, False])
-def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z):
-    """Group counts past one tile of 64 and R*P past one tile of 32 (partial tiles), both outputs."""
+def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z, tile):
+    """Group counts past one step of 64 (256 for production's wide tile) and R*P past one tile of 32 (partial
+    tiles), both outputs."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 3
     dphi = torch.randn((B, H, n_groups, R, P), generator=gen, dtype=torch.float32).to(DEVICE)
@@ -40,11 +42,12 @@ def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z):
     dmimo_o = torch.full((B, H, R, P), float("nan"), dtype=out_dtype, device=DEVICE)
     dmimo_z = torch.full((B, H, R, P), float("nan"), dtype=out_dtype, device=DEVICE) if has_z else None
     dphi_before = dphi.clone()
-    sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)
+    sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z,
+                       **(production.WIDE_GROUP_SUM if tile == "wide" else {}))
     pairs = [(dphi, dmimo_o)] + ([(dzeta, dmimo_z)] if has_z else [])
     for partial, out in pairs:
         expected = partial.double().sum(dim=2)
-        # fp32 sums of up to 128 unit normals: ~1e-6 absolute; bf16 outputs: one rounding.
+        # fp32 sums of up to 300 unit normals: ~1e-6 absolute; bf16 outputs: one rounding.
         tol = 1e-5 if out_dtype == torch.float32 else 2 ** -8 * expected.abs().max().item()
         torch.testing.assert_close(out.double(), expected, atol=tol, rtol=1e-2 if out_dtype != torch.float32 else 1e-5)
     assert torch.equal(dphi, dphi_before)
