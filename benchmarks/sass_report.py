@@ -2,6 +2,7 @@
 
     python benchmarks/sass_report.py                          # N128_P64_R4_C16, dispatcher config
     python benchmarks/sass_report.py --cases N16_P64_R4_C8 --config block_p=32,n_segments=8
+    python benchmarks/sass_report.py --kernels chunk_scan --order   # loads, stores, barriers in program order
 
 Both production kernels are bound by instruction issue and load latency, not by bytes or
 tensor-core FLOPs (docs/optimization.md, sections 9-11), so the instructions of their chunk loop
@@ -38,6 +39,10 @@ KINDS = {
     "CS2R": "zero fill / special reg", "S2R": "zero fill / special reg", "SHFL": "shuffle",
     "BAR": "barrier", "DEPBAR": "barrier", "WARPSYNC": "barrier",
 }
+
+
+# The opcodes ``--order`` prints: memory traffic, spills, barriers and tensor-core ops.
+ORDER_OPS = {"LDG", "STG", "LDL", "STL", "BAR", "HGMMA", "HMMA"}
 
 
 def kind(opcode):
@@ -82,6 +87,9 @@ def main(argv=None):
     parser.add_argument("--no-z", action="store_true")
     parser.add_argument("--opcodes", action="store_true", help="also count the loop body's opcodes (first two parts)")
     parser.add_argument("--kernels", nargs="+", help="only these kernels (state_scan, chunk_scan, ...)")
+    parser.add_argument("--order", action="store_true",
+                        help="print each kernel's global loads / stores, spills, barriers and tensor-core ops in "
+                             "program order (which loads wait behind a store or a barrier) instead of the counts")
     args = parser.parse_args(argv)
     aot_report.compile_as_cuda()
     for case in args.cases:
@@ -91,6 +99,11 @@ def main(argv=None):
             if name == "state_scan":  # the end-state pass, or the pass that stores the states
                 name += " (stores states)" if kwargs["STORE_STATES"] else " (end states)"
             ops = sass_ops(aot_report.compile_launch(name.split()[0], launch_args, kwargs))
+            if args.order:
+                print(f"{case} {name}: {len(ops)} SASS instructions")
+                print("    " + " ".join(f"{i}:{op.split('.')[0]}" for i, (_, op, _) in enumerate(ops)
+                                        if op.split(".")[0] in ORDER_OPS))
+                continue
             body = largest_loop(ops)
             print(f"{case} {name}: {len(ops)} SASS instructions"
                   + (f", largest loop body {len(body)}" if body else ", no loop"))

@@ -13,8 +13,8 @@
 # programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
-# part 19's last two sweeps.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-27 bash benchmarks/sweep_prepared.sh
+# part 19's last two sweeps; part 28 the deferred state store.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-28 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -323,8 +323,18 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
       KNOBS="local_states=0+gluon_segments=1+block_p=32:64"
     sweep flat_tables CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" KNOBS="flat_tables=0:1"
     ;;
+  28)
+    # chunk_scan storing the fixed-up state after q~ @ state (section 44): q's loads one memory round trip earlier at
+    # N <= 64 with P tiles of 64 (it spills at N = 128 and at P tiles of 128).  Predicted chunk_scan -3 to -8%, calls
+    # -1.5 to -4%, with and without Z.  First its GPU accuracy tests (the two test_production_configs configs).
+    timeout 150 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py -k "test_production_configs and defer" \
+      2>&1 | tail -n 3
+    sweep defer_state_store CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" KNOBS="out_defer_state_store=0:1"
+    sweep defer_state_store_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" \
+      KNOBS="out_defer_state_store=0:1"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 27" >&2
+    echo "PART must be 1 to 22 or 24 to 28" >&2
     exit 2
     ;;
 esac

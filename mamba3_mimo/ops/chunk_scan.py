@@ -32,6 +32,7 @@ from .triton_utils import (
     rotate_half,
     silu_and_grad,
     span_decay_offsets,
+    store_entering_state,
     wait_for_previous_grid,
 )
 
@@ -69,7 +70,7 @@ def _span_raw_y(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
-    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr,
+    ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr, DEFER_STATE_STORE: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -78,7 +79,9 @@ def _span_raw_y(
     scores: the same arithmetic in another order, for fewer live registers (ScanConfig.out_q_cast_early,
     out_y_state_early).  ROTATION_DTYPE: the dtype of q's and k's bias add and rotation (``rotation_math_dtype``).
     GDC (programmatic dependent launch): the rotation tables are asked for before the wait for the previous kernel,
-    the states after it.
+    the states after it.  DEFER_STATE_STORE (with ADD_ENTRY): the span's full entering state is written after
+    q~ @ state, not right after its loads, where the store kept q's and k's loads from being issued until the
+    state and entry tiles had arrived (ScanConfig.out_defer_state_store).
     """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
@@ -118,7 +121,7 @@ def _span_raw_y(
     if not GDC:
         state_lo, state_hi = load_entering_state(
             states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-            half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
+            half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY, DEFER_STATE_STORE and ADD_ENTRY)
 
     # q~ and k~: both rotate by their token's angles, each row adds its rank's bias; in ROTATION_DTYPE (fp32, or the
     # products' half dtype: two elements a register).
@@ -134,7 +137,7 @@ def _span_raw_y(
         wait_for_previous_grid(GDC)
         state_lo, state_hi = load_entering_state(
             states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG, N_SEGMENTS, offs_half,
-            half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY)
+            half_mask, offs_p, p_mask, N, P, SPAN_CHUNKS, ADD_ENTRY, DEFER_STATE_STORE and ADD_ENTRY)
     mask3 = tok_mask[:, None, None] & rank_mask[None, :, None] & half_mask[None, None, :]
     x_offs = qk_seq_offs + (t_tok[:, None, None] * qk_token_stride + rank[None, :, None] * (G * N)
                             + offs_half[None, None, :])
@@ -160,6 +163,9 @@ def _span_raw_y(
         # q~'s operands die before the causal weights; the [rows, cols] accumulator lives instead.
         y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+        if DEFER_STATE_STORE and ADD_ENTRY:
+            store_entering_state(states_ptr, state_lo, state_hi, bh, first_chunk, NCH, CHUNKS_PER_SEG, offs_half,
+                                 half_mask, offs_p, p_mask, N, P)
     if pid_p == 0:
         # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
         qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
@@ -181,6 +187,9 @@ def _span_raw_y(
     if not Y_STATE_EARLY:
         y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
+        if DEFER_STATE_STORE and ADD_ENTRY:
+            store_entering_state(states_ptr, state_lo, state_hi, bh, first_chunk, NCH, CHUNKS_PER_SEG, offs_half,
+                                 half_mask, offs_p, p_mask, N, P)
     raw_y += exp_fp32(da_rows, PRECISE_EXP)[:, None] * y_state
     if HAS_D:
         # The D skip in fp32, from v and Psi read again (volatile: not merged with the loads above, whose fp32
@@ -204,7 +213,7 @@ def _chunk_scan_kernel(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
-    SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False,
+    SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
@@ -218,7 +227,8 @@ def _chunk_scan_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
+            DEFER_STATE_STORE)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -244,7 +254,7 @@ def _chunk_scan_gate_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
-    PRECISE_EXP: tl.constexpr = False,
+    PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
@@ -269,7 +279,8 @@ def _chunk_scan_gate_kernel(
             da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
-            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC)
+            DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
+            DEFER_STATE_STORE)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -311,7 +322,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
-               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32):
+               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -323,6 +334,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     in the gate's fp32 math rather than after the products.  ``q_cast_early`` and ``y_state_early`` reorder the
     products for fewer live registers (same arithmetic; see ``ScanConfig``).  ``rotation_math_dtype``: the dtype of
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
+    ``defer_state_store`` (with ``seg_entry``) writes each span's full state after q~ @ state instead of right after
+    its loads (``ScanConfig.out_defer_state_store``).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -367,6 +380,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
         PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
+        DEFER_STATE_STORE=defer_state_store and seg_entry is not None,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,

@@ -363,7 +363,7 @@ def load_rotated_gather(x_seq_ptr, bias_head_ptr, cos_seq_ptr, sin_seq_ptr, t_po
 @triton.jit
 def load_entering_state(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_chunk, NCH, CHUNKS_PER_SEG,
                         N_SEGMENTS, offs_half, half_mask, offs_p, p_mask, N: tl.constexpr, P: tl.constexpr,
-                        SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr):
+                        SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, DEFER_FIRST_STORE: tl.constexpr = False):
     """The state entering chunk ``first_chunk`` of one (b, h), as fp32 halves [half, cols] (rows n, N/2 + n).
 
     ``states_ptr`` points at states [B, H, nch, N, P].  With ADD_ENTRY it holds segment-local
@@ -371,6 +371,8 @@ def load_entering_state(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_ch
     its segment's entry state (``seg_entry_ptr``, [B, H, n_segments, N, P] fp32) times its decay from the
     segment start (``entry_decay_ptr``, [B, H, nch] fp32, from ``segment_entry_states``) added, and is
     written back whole; the first one is returned.  A chunk past NCH reads zeros and writes nothing.
+    DEFER_FIRST_STORE leaves the first chunk's write to the caller (``store_entering_state``): a store here sits
+    between these loads and the caller's next ones, which the compiler does not move above it (they might alias).
     """
     HALF: tl.constexpr = N // 2
     state_offs = offs_half[:, None] * P + offs_p[None, :]
@@ -394,11 +396,24 @@ def load_entering_state(states_ptr, seg_entry_ptr, entry_decay_ptr, bh, first_ch
                 local_hi = tl.load(state_tile + i * N * P + HALF * P, mask=fix_mask, other=0.0).to(tl.float32)
             full_lo = local_lo + entry_scale * tl.load(entry_tile, mask=fix_mask, other=0.0)
             full_hi = local_hi + entry_scale * tl.load(entry_tile + HALF * P, mask=fix_mask, other=0.0)
-            tl.store(state_tile + i * N * P, full_lo.to(states_ptr.dtype.element_ty), mask=fix_mask)
-            tl.store(state_tile + i * N * P + HALF * P, full_hi.to(states_ptr.dtype.element_ty), mask=fix_mask)
+            if i > 0 or not DEFER_FIRST_STORE:
+                tl.store(state_tile + i * N * P, full_lo.to(states_ptr.dtype.element_ty), mask=fix_mask)
+                tl.store(state_tile + i * N * P + HALF * P, full_hi.to(states_ptr.dtype.element_ty), mask=fix_mask)
             if i == 0:
                 state_lo, state_hi = full_lo, full_hi
     return state_lo, state_hi
+
+
+@triton.jit
+def store_entering_state(states_ptr, state_lo, state_hi, bh, first_chunk, NCH, CHUNKS_PER_SEG, offs_half, half_mask,
+                         offs_p, p_mask, N: tl.constexpr, P: tl.constexpr):
+    """Write the full state entering ``first_chunk`` (fp32 halves from ``load_entering_state`` with ADD_ENTRY and
+    DEFER_FIRST_STORE) over its segment-local one: where that one took the entry (not in segment 0, not past NCH)."""
+    HALF: tl.constexpr = N // 2
+    state_tile = states_ptr + bh * NCH * N * P + first_chunk * N * P + offs_half[:, None] * P + offs_p[None, :]
+    fix_mask = half_mask[:, None] & p_mask[None, :] & (first_chunk < NCH) & (first_chunk // CHUNKS_PER_SEG > 0)
+    tl.store(state_tile, state_lo.to(states_ptr.dtype.element_ty), mask=fix_mask)
+    tl.store(state_tile + HALF * P, state_hi.to(states_ptr.dtype.element_ty), mask=fix_mask)
 
 
 @triton.jit
