@@ -13,18 +13,29 @@
 # programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
-# part 19's last two sweeps; part 28 the deferred state store.
+# part 19's last two sweeps; part 28 chunk_scan's deferred stores.
 # usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-28 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 
-sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ)
+sweep() {  # sweep <group> VAR=value... (CASES, KNOBS, NOZ); the per-case JSON merged into $OUT/<group>.json
   local group=$1
   shift
   mkdir -p "$OUT/$group"
   echo "== $group $*"
   env OUT="$OUT/$group" "$@" bash benchmarks/sweep_cases.sh
+  # A device call brings back at most 8 files: one a group.
+  python3 - "$OUT/$group" <<'PY'
+import glob, json, os, sys
+files = sorted(glob.glob(os.path.join(sys.argv[1], "sw_*.json")))
+if files:
+    merged = [json.load(open(f)) for f in files]
+    json.dump(dict(meta=merged[0]["meta"], records=[r for m in merged for r in m["records"]]),
+              open(sys.argv[1] + ".json", "w"), indent=1)
+    for f in files:
+        os.remove(f)
+PY
 }
 
 export CASE_TIMEOUT="${CASE_TIMEOUT:-180}"  # a case compiles each candidate's kernels before timing them
@@ -324,14 +335,17 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
     sweep flat_tables CASES="N16_P64_R4_C8 N128_P64_R4_C16 N256_P64_R4_C8 N128_P64_R1_C64" KNOBS="flat_tables=0:1"
     ;;
   28)
-    # chunk_scan storing the fixed-up state after q~ @ state (section 44): q's loads one memory round trip earlier at
-    # N <= 64 with P tiles of 64 (it spills at N = 128 and at P tiles of 128).  Predicted chunk_scan -3 to -8%, calls
-    # -1.5 to -4%, with and without Z.  First its GPU accuracy tests (the two test_production_configs configs).
-    timeout 150 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py -k "test_production_configs and defer" \
-      2>&1 | tail -n 3
-    sweep defer_state_store CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" KNOBS="out_defer_state_store=0:1"
-    sweep defer_state_store_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" \
-      KNOBS="out_defer_state_store=0:1"
+    # chunk_scan's stores moved after the loads that followed them (section 44): the fixed-up state after q~ @ state
+    # (q's loads one memory round trip earlier at N <= 64 with P tiles of 64; it spills at N = 128 and at P tiles of
+    # 128), qk_dot after the products (the weights' and v's loads no longer wait for the scores; spill 88 -> 32 B at
+    # N128_P128).  Predicted chunk_scan -3 to -8% for the first, -1 to -3% for the second.  First the GPU accuracy
+    # tests (the three test_production_configs configs).
+    timeout 150 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py \
+      -k "test_production_configs and (defer or dqk)" 2>&1 | tail -n 3
+    sweep defer_stores CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" \
+      KNOBS="out_defer_state_store=0:1,out_defer_state_store+out_defer_qk_dot"
+    sweep defer_stores_noz NOZ=1 CASES="N16_P64_R4_C8 N32_P64_R4_C16 N64_P64_R4_C16" KNOBS="out_defer_state_store=0:1"
+    sweep defer_qk_dot CASES="N128_P64_R4_C16 N128_P128_R4_C8 N128_P64_R8_C8" KNOBS="out_defer_qk_dot=0:1"
     ;;
   *)
     echo "PART must be 1 to 22 or 24 to 28" >&2

@@ -211,14 +211,16 @@ PRODUCTION_CONFIGS = [
                state_span_chunks=2, out_span_chunks=1, out_num_warps=2, out_max_registers=96, fold_one_scan=True,
                gate_in_scan=True, scan_half_rotation=True, out_half_rotation=True, out_q_cast_early=True,
                out_y_state_early=True),
-    # chunk_scan writing the fixed-up entering state after q~ @ state (out_defer_state_store, section 44): the
-    # low-register order with raw_y stored, and the gate in chunk_scan over spans of two chunks (the second chunk's
-    # state is still written where it is loaded) in the default order.
+    # chunk_scan writing the fixed-up entering state after q~ @ state and qk_dot after the products
+    # (out_defer_state_store, out_defer_qk_dot, section 44): the low-register order with raw_y stored and both; the
+    # gate in chunk_scan over spans of two chunks (the second chunk's state is still written where it is loaded) in
+    # the default order; qk_dot alone in two passes.
     ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, local_states=True, split_gate=True,
-               fold_one_scan=True, out_defer_state_store=True, scan_half_rotation=True, out_half_rotation=True,
-               out_q_cast_early=True, out_y_state_early=True),
+               fold_one_scan=True, out_defer_state_store=True, out_defer_qk_dot=True, scan_half_rotation=True,
+               out_half_rotation=True, out_q_cast_early=True, out_y_state_early=True),
     ScanConfig(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True, gate_in_scan=True,
                out_span_chunks=2, out_defer_state_store=True),
+    ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, split_gate=True, out_defer_qk_dot=True),
 ]
 
 
@@ -227,7 +229,8 @@ PRODUCTION_CONFIGS = [
                          + ("-epf" if c.end_scan_prefetch else "")
                          + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else "")
                          + ("-local" if c.local_states else "") + ("-fold1" if c.fold_one_scan else "")
-                         + ("-defer" if c.out_defer_state_store else "") + ("-gs" if c.gate_in_scan else ""))
+                         + ("-defer" if c.out_defer_state_store else "") + ("-dqk" if c.out_defer_qk_dot else "")
+                         + ("-gs" if c.gate_in_scan else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
     """Every explicit config is exact: segments, N/2 and P tiles, chunk groups of the output stage."""

@@ -62,6 +62,15 @@ def _rotated_tiles(x_ptr, bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, si
 
 
 @triton.jit
+def _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask):
+    """qk_dot [B, H, S, R, R] of a span's rows: the same-token blocks of its score matrix (the rotation preserves
+    those dots)."""
+    qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
+    qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
+    tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+
+
+@triton.jit
 def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
@@ -71,6 +80,7 @@ def _span_raw_y(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr, DEFER_STATE_STORE: tl.constexpr,
+    DEFER_QK_DOT: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -79,9 +89,10 @@ def _span_raw_y(
     scores: the same arithmetic in another order, for fewer live registers (ScanConfig.out_q_cast_early,
     out_y_state_early).  ROTATION_DTYPE: the dtype of q's and k's bias add and rotation (``rotation_math_dtype``).
     GDC (programmatic dependent launch): the rotation tables are asked for before the wait for the previous kernel,
-    the states after it.  DEFER_STATE_STORE (with ADD_ENTRY): the span's full entering state is written after
-    q~ @ state, not right after its loads, where the store kept q's and k's loads from being issued until the
-    state and entry tiles had arrived (ScanConfig.out_defer_state_store).
+    the states after it.  DEFER_STATE_STORE writes the span's full entering state (with ADD_ENTRY) after q~ @ state,
+    not right after its loads, and DEFER_QK_DOT qk_dot after the products, not right after the scores: a store keeps
+    every later load from being issued until its data has arrived (the compiler does not move a load above a store
+    that may alias it; ScanConfig.out_defer_state_store, out_defer_qk_dot).
     """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
@@ -166,11 +177,8 @@ def _span_raw_y(
         if DEFER_STATE_STORE and ADD_ENTRY:
             store_entering_state(states_ptr, state_lo, state_hi, bh, first_chunk, NCH, CHUNKS_PER_SEG, offs_half,
                                  half_mask, offs_p, p_mask, N, P)
-    if pid_p == 0:
-        # Same-token blocks of the score matrix are qk_dot[t, r, :] (rotation preserves those dots).
-        qk_offs = (t_rows * R + row_r)[:, None] * R + row_r[None, :]
-        qk_mask = (row_t[:, None] == row_t[None, :]) & row_mask[:, None] & row_mask[None, :]
-        tl.store(qk_dot_ptr + bh * S * R * R + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=qk_mask)
+    if pid_p == 0 and not DEFER_QK_DOT:
+        _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask)
 
     da_rows, _, gamma_rows, ts_rows = load_token_weights(
         da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
@@ -184,6 +192,8 @@ def _span_raw_y(
 
     mixing = scores * weights
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    if pid_p == 0 and DEFER_QK_DOT:
+        _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask)
     if not Y_STATE_EARLY:
         y_state = tl.dot(q_lo, state_lo.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         y_state = tl.dot(q_hi, state_hi.to(DOT_DTYPE), y_state, input_precision=DOT_PRECISION)
@@ -214,6 +224,7 @@ def _chunk_scan_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
+    DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
@@ -228,7 +239,7 @@ def _chunk_scan_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE)
+            DEFER_STATE_STORE, DEFER_QK_DOT)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -255,6 +266,7 @@ def _chunk_scan_gate_kernel(
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
     PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
+    DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
@@ -280,7 +292,7 @@ def _chunk_scan_gate_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE)
+            DEFER_STATE_STORE, DEFER_QK_DOT)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -322,7 +334,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
-               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False):
+               q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False,
+               defer_qk_dot=False):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -334,8 +347,9 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     in the gate's fp32 math rather than after the products.  ``q_cast_early`` and ``y_state_early`` reorder the
     products for fewer live registers (same arithmetic; see ``ScanConfig``).  ``rotation_math_dtype``: the dtype of
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
-    ``defer_state_store`` (with ``seg_entry``) writes each span's full state after q~ @ state instead of right after
-    its loads (``ScanConfig.out_defer_state_store``).
+    ``defer_state_store`` writes each span's full state (with ``seg_entry``) after q~ @ state instead of right after
+    its loads, ``defer_qk_dot`` qk_dot after the products instead of right after the scores
+    (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -380,7 +394,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
         PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
-        DEFER_STATE_STORE=defer_state_store and seg_entry is not None,
+        DEFER_STATE_STORE=defer_state_store, DEFER_QK_DOT=defer_qk_dot,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,

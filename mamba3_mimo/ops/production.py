@@ -180,10 +180,11 @@ class ScanConfig:
     128-register cap (96-208 B in the default order), which lets four chunk_scan programs share an SM instead
     of three (docs/optimization.md section 28); with ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets both with the half
     rotation below (section 30).
-    out_defer_state_store: with local states, ``chunk_scan`` writes each span's full entering state after
-    q~ @ state instead of right after the state and entry loads.  There the store was the first thing after those
-    loads, and q's and k's loads, which the compiler does not move above a store, waited for them (SASS of
-    N128_P64_R4_C16: state / entry loads, then the state stores, then q's loads, then k's; section 44).  Untimed.
+    out_defer_state_store / out_defer_qk_dot: ``chunk_scan`` writes each span's full entering state (with local
+    states) after q~ @ state instead of right after the state and entry loads / qk_dot after the products instead of
+    right after the scores.  A store is where the compiler stops moving loads up (they might alias), and it waits for
+    its data: in N128_P64_R4_C16's SASS the state / entry loads, then the state stores, then q's loads, then k's
+    (section 44).  Untimed.
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -249,6 +250,7 @@ class ScanConfig:
     out_q_cast_early: bool = False
     out_y_state_early: bool = False
     out_defer_state_store: bool = False
+    out_defer_qk_dot: bool = False
     scan_half_rotation: bool = False
     out_half_rotation: bool = False
     gate_tile_elements: int = 2048
@@ -677,7 +679,8 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,
             entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
-            rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store)
+            rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
+            defer_qk_dot=config.out_defer_qk_dot)
         d_in_gate = config.d_in_gate and d is not None
         if config.split_gate and config.gate_in_scan:
             dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
