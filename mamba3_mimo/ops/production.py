@@ -185,6 +185,8 @@ class ScanConfig:
     right after the scores.  A store is where the compiler stops moving loads up (they might alias), and it waits for
     its data: in N128_P64_R4_C16's SASS the state / entry loads, then the state stores, then q's loads, then k's
     (section 44).  Untimed.
+    out_k_loads_early: with the half rotation, ``chunk_scan`` asks for k's rows before it rotates q, whose
+    conversions through shared memory (behind barriers) held k's loads back (section 44).  Untimed.
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -251,6 +253,7 @@ class ScanConfig:
     out_y_state_early: bool = False
     out_defer_state_store: bool = False
     out_defer_qk_dot: bool = False
+    out_k_loads_early: bool = False
     scan_half_rotation: bool = False
     out_half_rotation: bool = False
     gate_tile_elements: int = 2048
@@ -680,7 +683,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
             rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
-            defer_qk_dot=config.out_defer_qk_dot)
+            defer_qk_dot=config.out_defer_qk_dot, k_loads_early=config.out_k_loads_early)
         d_in_gate = config.d_in_gate and d is not None
         if config.split_gate and config.gate_in_scan:
             dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
