@@ -16,7 +16,7 @@ import mamba3_mimo.api as api
 from conftest import HAS_CUDA, requires_cuda, seed_for
 from mamba3_mimo.accuracy import mere_mare
 from mamba3_mimo.inputs import build_discretization, make_inputs
-from mamba3_mimo.ops import production
+from mamba3_mimo.ops import group_sum, production
 from mamba3_mimo.ops.production import ScanConfig
 from mamba3_mimo.reference import bwd_fwd_reference
 
@@ -240,22 +240,22 @@ def test_production_configs(check_kernel, config, dtype):
 
 @pytest.mark.parametrize("gate_in_scan", [False, True], ids=["split", "gate-in-scan"])
 def test_production_wide_group_sum(check_kernel, monkeypatch, gate_in_scan):
-    """group_sum's wide tile (``production.WIDE_GROUP_SUM``, taken at N16 with Z on the GPU for its 256 chunk
-    partials) in the production path, with the threshold lowered so a small call takes it."""
-    monkeypatch.setattr(production, "WIDE_GROUP_SUM_GROUPS", 2)
+    """group_sum's wide tile (``group_sum.WIDE_TILE``, taken at N16 with Z on the GPU for its 256 chunk partials) in
+    the production path, with the threshold lowered so a small call takes it."""
+    monkeypatch.setattr(group_sum, "WIDE_GROUPS", 2)
     tiles = []
-    plain = production.sum_group_partials
+    plain = group_sum.partials_tile
 
-    def spy(**kwargs):
-        tiles.append(kwargs.get("block_groups"))
-        return plain(**kwargs)
+    def spy(n_groups, has_z):
+        tiles.append(plain(n_groups, has_z))
+        return tiles[-1]
 
-    monkeypatch.setattr(production, "sum_group_partials", spy)
+    monkeypatch.setattr(group_sum, "partials_tile", spy)
     monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")  # no call replay: every call goes through the spy
     config = ScanConfig(block_p=16, n_segments=2, out_block_p=32, split_gate=True, gate_in_scan=gate_in_scan,
                         gate_tokens=16)
     check_kernel("production", B=1, S=70, H=2, N=32, P=32, R=2, chunk_size=8, dtype=F32, config=config)
-    assert tiles and set(tiles) == {production.WIDE_GROUP_SUM["block_groups"]}
+    assert tiles and all(tile == group_sum.WIDE_TILE for tile in tiles)
 
 
 # Several query ranks per output step: R not divisible by the step (3 by 2), a step wider than R

@@ -17,7 +17,7 @@ from conftest import seed_for
 import mamba3_mimo.api as api
 from mamba3_mimo.api import bwd_fwd
 from mamba3_mimo.inputs import make_inputs
-from mamba3_mimo.ops import production
+from mamba3_mimo.ops import group_sum, production
 from mamba3_mimo.ops.chunk_output import chunk_output
 from mamba3_mimo.ops.chunk_scan import chunk_scan
 from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
@@ -33,7 +33,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_z", [True, False])
 def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z, tile):
-    """Group counts past one step of 64 (256 for production's wide tile) and R*P past one tile of 32 (partial
+    """Group counts past one step of 64 (256 for the wide tile) and R*P past one tile of 32 (partial
     tiles), both outputs."""
     gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
     B, H = 2, 3
@@ -43,7 +43,7 @@ def test_sum_group_partials(request, n_groups, R, P, out_dtype, has_z, tile):
     dmimo_z = torch.full((B, H, R, P), float("nan"), dtype=out_dtype, device=DEVICE) if has_z else None
     dphi_before = dphi.clone()
     sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z,
-                       **(production.WIDE_GROUP_SUM if tile == "wide" else {}))
+                       **(group_sum.WIDE_TILE if tile == "wide" else {}))
     pairs = [(dphi, dmimo_o)] + ([(dzeta, dmimo_z)] if has_z else [])
     for partial, out in pairs:
         expected = partial.double().sum(dim=2)

@@ -18,6 +18,21 @@ from .triton_utils import wait_for_previous_grid
 # (under one per SM), each walking its groups in serial steps, 16-40 us for 17-34 MB of partials.
 BLOCK_GROUPS = 64
 BLOCK_COLS = 32
+# Over deep partials of both gradients (the single-chunk gated chunk_scan with Z: 256 chunks at N16, 34 MB of fp32)
+# 256 groups a step at 8 warps.  Those partials come from DRAM, not L2: Nsight Compute put this kernel's L2 hit rate at
+# 3% in the N16 call, where it took 19.7 us at 1.7 TB/s (docs/optimization.md section 44); more of them in flight a
+# program helps.  H100, whole calls (graph us, benchmarks/group_sum_tune.py --in-call, 314890c): N16 with Z 206.3 ->
+# 201.8; without Z (one partial tensor) 158.0 -> 156.7, and R8_C8 / N256 without Z (256 groups) 644.1 -> 649.9 /
+# 652.1 -> 652.0: not taken.
+WIDE_GROUPS = 256
+WIDE_TILE = dict(block_groups=256, block_cols=32, num_warps=8)
+
+
+def partials_tile(n_groups, has_z):
+    """(groups a step, columns a program, warps) of ``sum_group_partials`` for partials ``n_groups`` deep."""
+    if has_z and n_groups >= WIDE_GROUPS:
+        return WIDE_TILE
+    return dict(block_groups=BLOCK_GROUPS, block_cols=BLOCK_COLS, num_warps=4)
 
 
 @triton.jit
@@ -46,18 +61,22 @@ def _group_sum_kernel(
         tl.store(dmimo_z_ptr + out_offs, dzeta_sum.to(dmimo_z_ptr.dtype.element_ty), mask=col_mask)
 
 
-def sum_group_partials(*, dphi_partial, dzeta_partial, dmimo_o, dmimo_z, block_groups=BLOCK_GROUPS,
-                       block_cols=BLOCK_COLS, num_warps=4, num_stages=None):
+def sum_group_partials(*, dphi_partial, dzeta_partial, dmimo_o, dmimo_z, block_groups=None, block_cols=None,
+                       num_warps=None, num_stages=None):
     """dmimo_o[b, h] = sum_g dphi_partial[b, h, g] (and dmimo_z from dzeta_partial), in place.
 
     Args:
         dphi_partial, dzeta_partial: [B, H, n_groups, R, P] fp32 contiguous (dzeta_partial may be None);
         dmimo_o, dmimo_z: [B, H, R, P] contiguous, any float dtype (dmimo_z None with dzeta_partial);
-        block_groups, block_cols, num_warps, num_stages: the tile and launch (num_stages None: Triton's default),
-            other than the defaults only for ``benchmarks/group_sum_tune.py``.
+        block_groups, block_cols, num_warps, num_stages: the tile and launch, given only by
+            ``benchmarks/group_sum_tune.py`` (None: ``partials_tile``'s, and Triton's default stages).
     """
     B, H, n_groups, R, P = dphi_partial.shape
     has_z = dzeta_partial is not None
+    tile = partials_tile(n_groups, has_z)
+    block_groups = tile["block_groups"] if block_groups is None else block_groups
+    block_cols = tile["block_cols"] if block_cols is None else block_cols
+    num_warps = tile["num_warps"] if num_warps is None else num_warps
     block_rp = min(block_cols, next_power_of_2(R * P))
     launch(_group_sum_kernel, (cdiv(R * P, block_rp), B * H),
         dphi_partial, dzeta_partial if has_z else dphi_partial, dmimo_o, dmimo_z if has_z else dmimo_o, n_groups,

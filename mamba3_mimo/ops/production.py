@@ -96,13 +96,6 @@ SPAN_ROWS = 64
 # N128_P128_R4_C8 695 -> 782 (one chunk, 4 warps, 128 cap); 64-row chunks at 2 warps lose too (N32 234 -> 288).
 SMALL_CHUNK_ROWS = 32
 SMALL_CHUNK_SCAN = (2, 96)
-# group_sum over deep partials of both gradients (the single-chunk gated chunk_scan with Z: 256 chunks at N16, 34 MB
-# of fp32).  They come from DRAM, not L2: Nsight Compute put group_sum's L2 hit rate at 3% in the N16 call, where it
-# took 19.7 us at 1.7 TB/s (section 44).  256 groups a step at 8 warps keeps more of them in flight.  H100, whole
-# calls (graph us, benchmarks/group_sum_tune.py --in-call, 314890c): N16 with Z 206.3 -> 201.8; without Z (one
-# partial tensor) 158.0 -> 156.7, and R8_C8 / N256 without Z (256 groups) 644.1 -> 649.9 / 652.1 -> 652.0: not taken.
-WIDE_GROUP_SUM_GROUPS = 256
-WIDE_GROUP_SUM = dict(block_groups=256, block_cols=32, num_warps=8)
 # (token, rank) rows of the largest chunk the kernels take (next_pow2(C) * next_pow2(R), the official grid's): the
 # output stage's score tile is [rows, rows].  Larger chunks are walked as inner chunks (``inner_chunk_size``).
 MAX_KERNEL_ROWS = 64
@@ -729,6 +722,4 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         if handoff is not states:
             forbid_replay()  # a torch copy between the launches: a call replay would miss it
             states.copy_(handoff)
-        wide = dzeta is not None and dphi.shape[2] >= WIDE_GROUP_SUM_GROUPS
-        sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z,
-                           **(WIDE_GROUP_SUM if wide else {}))
+        sum_group_partials(dphi_partial=dphi, dzeta_partial=dzeta, dmimo_o=dmimo_o, dmimo_z=dmimo_z)
