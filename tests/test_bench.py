@@ -125,7 +125,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
     where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34); the Gluon
     gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); the flat token tables (section
-    44).  Everything else as without them; the defaults take them."""
+    44); chunk_scan's deferred stores at N64_P64 and N128_P128 (section 45).  Everything else as without them; the
+    defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
@@ -133,8 +134,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert production.DISPATCH_SWEPT_KNOBS is True
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
-             "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_max_registers",
-             "n_segments",
+             "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
+             "out_defer_qk_dot", "out_max_registers", "n_segments",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
     assert not any(getattr(plain, name) for name in knobs[:-6])
     gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
@@ -163,6 +164,10 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.fold_one_scan is config.local_states
     # The flat token tables everywhere (timed on an H100, section 44).
     assert config.flat_tables is True and plain.flat_tables is False
+    # chunk_scan's deferred stores where each was timed to win (H100, section 45): the entering state at N64_P64 with
+    # the bf16 rotation, qk_dot at N128_P128 with Z.
+    assert config.out_defer_state_store is (half and case == "N64_P64_R4_C16")
+    assert config.out_defer_qk_dot is (has_z and case == "N128_P128_R4_C8")
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

@@ -230,7 +230,6 @@ PRODUCTION_CONFIGS = [
                          + ("-skip" if c.scan_skip_unrotated else "") + ("-flat" if c.flat_tables else "")
                          + ("-local" if c.local_states else "") + ("-fold1" if c.fold_one_scan else "")
                          + ("-defer" if c.out_defer_state_store else "") + ("-dqk" if c.out_defer_qk_dot else "")
-
                          + ("-gs" if c.gate_in_scan else ""))
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_configs(check_kernel, config, dtype):
@@ -435,19 +434,19 @@ HALF_ROTATION_CASES = [
                                      scan_half_rotation=True)),
     dict(R=3, G=1, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, ranks_per_step=2,
                                      out_half_rotation=True)),
-    # chunk_scan asking for k before q's rotation (out_k_loads_early, section 44), with the deferred stores: the
-    # gate in chunk_scan, and raw_y stored.
+    # chunk_scan's deferred stores in the half rotation (section 45): the entering state after q~ @ state with the
+    # gate in chunk_scan, and qk_dot after the products at four ranks with raw_y stored.
     dict(R=2, G=1, config=ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, local_states=True,
-                                     split_gate=True, gate_in_scan=True, fold_one_scan=True, out_k_loads_early=True,
+                                     split_gate=True, gate_in_scan=True, fold_one_scan=True,
                                      out_defer_state_store=True, scan_half_rotation=True, out_half_rotation=True,
                                      out_q_cast_early=True, out_y_state_early=True)),
     dict(R=4, G=1, config=ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=True, split_gate=True,
-                                     out_k_loads_early=True, out_defer_qk_dot=True, out_half_rotation=True)),
+                                     out_defer_qk_dot=True, out_half_rotation=True)),
 ]
 
 
 @pytest.mark.parametrize("case", HALF_ROTATION_CASES, ids=["two-fused", "local-split", "scan-gate_in_scan",
-                                                           "out-fused-ranks", "k-early-gate", "k-early-split"])
+                                                           "out-fused-ranks", "defer-gate", "dqk-split"])
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 def test_production_half_rotation(check_kernel, case, dtype):
     """The bias add and rotation in the products' 16-bit dtype meet the contract in every stage that takes them."""

@@ -90,7 +90,7 @@ def _span_raw_y(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr, DEFER_STATE_STORE: tl.constexpr,
-    DEFER_QK_DOT: tl.constexpr, K_LOADS_EARLY: tl.constexpr,
+    DEFER_QK_DOT: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -164,12 +164,6 @@ def _span_raw_y(
                             + offs_half[None, None, :])
     bias_offs = h * R * N + rank[:, None] * N + offs_half[None, :]
     bias_mask = rank_mask[:, None] & half_mask[None, :]
-    # With the half rotation, K_LOADS_EARLY asks for k before q is rotated: q's conversions go through shared memory
-    # behind barriers, and k's loads waited behind them (section 44).
-    K_EARLY: tl.constexpr = K_LOADS_EARLY and ROTATION_DTYPE != tl.float32
-    if K_EARLY:
-        k_raw_lo = tl.load(k_ptr + x_offs, mask=mask3, other=0.0)
-        k_raw_hi = tl.load(k_ptr + x_offs + HALF, mask=mask3, other=0.0)
     q_lo, q_hi = _rotated_tiles(q_ptr, q_bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, sin, HALF,
                                 ROTATION_DTYPE)
     if Q_CAST_EARLY:
@@ -177,12 +171,8 @@ def _span_raw_y(
         # with the cast (N128_P64_R4_C16: 180 -> 139 registers uncapped; the cast alone moved nothing).
         q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
         q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
-    if K_EARLY:
-        k_lo, k_hi = _rotated_half_tiles(k_raw_lo, k_raw_hi, k_bias_ptr, bias_offs, mask3, bias_mask, cos, sin, HALF,
-                                         ROTATION_DTYPE)
-    else:
-        k_lo, k_hi = _rotated_tiles(k_ptr, k_bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, sin, HALF,
-                                    ROTATION_DTYPE)
+    k_lo, k_hi = _rotated_tiles(k_ptr, k_bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, sin, HALF,
+                                ROTATION_DTYPE)
     if not Q_CAST_EARLY:
         q_lo = tl.reshape(q_lo.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
         q_hi = tl.reshape(q_hi.to(DOT_DTYPE), (ROWS, BLOCK_HALF))
@@ -244,7 +234,7 @@ def _chunk_scan_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPANS_PER_PROGRAM: tl.constexpr,
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
-    DEFER_QK_DOT: tl.constexpr = False, K_LOADS_EARLY: tl.constexpr = False,
+    DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
@@ -259,7 +249,7 @@ def _chunk_scan_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT, K_LOADS_EARLY)
+            DEFER_STATE_STORE, DEFER_QK_DOT)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -286,7 +276,7 @@ def _chunk_scan_gate_kernel(
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
     PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
-    DEFER_QK_DOT: tl.constexpr = False, K_LOADS_EARLY: tl.constexpr = False,
+    DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
@@ -312,7 +302,7 @@ def _chunk_scan_gate_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT, K_LOADS_EARLY)
+            DEFER_STATE_STORE, DEFER_QK_DOT)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -355,7 +345,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
                q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False,
-               defer_qk_dot=False, k_loads_early=False):
+               defer_qk_dot=False):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -368,9 +358,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     products for fewer live registers (same arithmetic; see ``ScanConfig``).  ``rotation_math_dtype``: the dtype of
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
     ``defer_state_store`` writes each span's full state (with ``seg_entry``) after q~ @ state instead of right after
-    its loads, ``defer_qk_dot`` qk_dot after the products instead of right after the scores, ``k_loads_early`` (with
-    a half ``rotation_math_dtype``) asks for k before q is rotated (``ScanConfig.out_defer_state_store``,
-    ``out_defer_qk_dot``, ``out_k_loads_early``).
+    its loads, ``defer_qk_dot`` qk_dot after the products instead of right after the scores
+    (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
@@ -415,7 +404,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
         PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
-        DEFER_STATE_STORE=defer_state_store, DEFER_QK_DOT=defer_qk_dot, K_LOADS_EARLY=k_loads_early,
+        DEFER_STATE_STORE=defer_state_store, DEFER_QK_DOT=defer_qk_dot,
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,

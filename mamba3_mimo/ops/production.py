@@ -177,9 +177,8 @@ class ScanConfig:
     states) after q~ @ state instead of right after the state and entry loads / qk_dot after the products instead of
     right after the scores.  A store is where the compiler stops moving loads up (they might alias), and it waits for
     its data: in N128_P64_R4_C16's SASS the state / entry loads, then the state stores, then q's loads, then k's
-    (section 44).  Untimed.
-    out_k_loads_early: with the half rotation, ``chunk_scan`` asks for k's rows before it rotates q, whose
-    conversions through shared memory (behind barriers) held k's loads back (section 44).  Untimed.
+    (section 44).  With ``DISPATCH_SWEPT_KNOBS`` the dispatcher defers the state store at N64_P64 and qk_dot at
+    N128_P128 with Z, where each was timed to win (section 45).
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -246,7 +245,6 @@ class ScanConfig:
     out_y_state_early: bool = False
     out_defer_state_store: bool = False
     out_defer_qk_dot: bool = False
-    out_k_loads_early: bool = False
     scan_half_rotation: bool = False
     out_half_rotation: bool = False
     gate_tile_elements: int = 2048
@@ -486,6 +484,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # The flat token tables (section 44).  H100, 6f513c6, graph us (token_tables us): N16 208 -> 207 (7 -> 4),
     # N128_P64_R4_C16 360 -> 355 (16 -> 11), N256 693 -> 684 (30 -> 21), R1_C64 155 -> 149 (18 -> 12).
     flat_tables = bool(swept)
+    # chunk_scan's stores after the loads they held back (section 45).  H100, fbb95b4, graph us (off -> on): the
+    # entering state stored after q~ @ state at N64_P64 307 -> 297 with Z, 270 -> 262 without (N32 230 -> 228 and
+    # 196 -> 194, N16 203 -> 204 and 156 -> 157: noise, left off); qk_dot stored after the products at N128_P128 with Z
+    # 686 -> 664 (its 22 B of spill -> 8; N256 681 -> 681; at P = 64 it loses: N16 203 -> 223, N128_P64_R4_C16
+    # 352 -> 366).
+    defer_state_store = bool(half_rotation and N == 64 and p_pow == 64)
+    defer_qk_dot = bool(swept and split_gate and not local_states and N == 128 and p_pow == 128 and has_z)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
@@ -495,7 +500,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
                       out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept,
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
-                      flat_tables=flat_tables)
+                      flat_tables=flat_tables, out_defer_state_store=defer_state_store,
+                      out_defer_qk_dot=defer_qk_dot)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
@@ -676,7 +682,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
             rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
-            defer_qk_dot=config.out_defer_qk_dot, k_loads_early=config.out_k_loads_early)
+            defer_qk_dot=config.out_defer_qk_dot)
         d_in_gate = config.d_in_gate and d is not None
         if config.split_gate and config.gate_in_scan:
             dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
