@@ -435,12 +435,13 @@ HALF_ROTATION_CASES = [
     dict(R=3, G=1, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, ranks_per_step=2,
                                      out_half_rotation=True)),
     # chunk_scan's deferred stores in the half rotation (section 45): the entering state after q~ @ state with the
-    # gate in chunk_scan, and qk_dot after the products at four ranks with raw_y stored.
+    # gate in chunk_scan, and qk_dot after the products at four ranks with raw_y stored (a 32-wide P tile: a 16-wide
+    # one miscompiles at R = 4, N = 64 with or without it).
     dict(R=2, G=1, config=ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32, local_states=True,
                                      split_gate=True, gate_in_scan=True, fold_one_scan=True,
                                      out_defer_state_store=True, scan_half_rotation=True, out_half_rotation=True,
                                      out_q_cast_early=True, out_y_state_early=True)),
-    dict(R=4, G=1, config=ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=True, split_gate=True,
+    dict(R=4, G=1, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True,
                                      out_defer_qk_dot=True, out_half_rotation=True)),
 ]
 

@@ -365,8 +365,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # N128_P128_R4_C8 1247 -> 1117 (255 registers, no spill; 8 and 16 warps lose).
         out_block_p, out_num_warps = 128, 4
     if split_gate:
-        if half_pow >= 64:
-            out_block_p = max(out_block_p, 64)  # narrower P tiles miscompile there (chunk_scan)
+        # chunk_scan's P tile: narrower ones miscompile at N/2 >= 64, and a 16-wide one at N = 64, R = 4 (an illegal
+        # address on the H100, section 45; P = 16 took it).
+        out_block_p = max(out_block_p, 64 if half_pow >= 64 else 32)
         # Local states where chunk_scan's [N, P tile] state is at most 128 x 64 (sweep of 1de1006, graph us,
         # two passes -> local): N128_P64_R4_C16 455 -> 407, R8_C8 917 -> 837, N64_P128 697 -> 620 (64 x 128),
         # N16 335 -> 317.  Beyond it the entry correction of a span of chunks costs chunk_scan more than the
