@@ -11,12 +11,14 @@ import os
 
 import pytest
 import torch
+import triton.language as tl
 
 import mamba3_mimo.api as api
 from conftest import HAS_CUDA, requires_cuda, seed_for
 from mamba3_mimo.accuracy import mere_mare
 from mamba3_mimo.inputs import build_discretization, make_inputs
 from mamba3_mimo.ops import group_sum, production
+from mamba3_mimo.ops.chunk_scan import refuse_miscompiled_tile, chunk_scan_meta
 from mamba3_mimo.ops.production import ScanConfig
 from mamba3_mimo.reference import bwd_fwd_reference
 
@@ -221,6 +223,10 @@ PRODUCTION_CONFIGS = [
     ScanConfig(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True, gate_in_scan=True,
                out_span_chunks=2, out_defer_state_store=True),
     ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, split_gate=True, out_defer_qk_dot=True),
+    # qk_dot deferred in the gated chunk_scan over two passes: N128_P128 without Z (sweep_prepared.sh part 29 timed it
+    # 579 -> 562 us; section 45).
+    ScanConfig(block_p=32, n_segments=2, block_half=16, out_block_p=32, split_gate=True, gate_in_scan=True,
+               out_defer_qk_dot=True),
 ]
 
 
@@ -754,8 +760,30 @@ def test_official_fold_one_scan_with_pdl(check_kernel, shape):
 @pytest.mark.gpu
 @requires_cuda
 def test_chunk_scan_refuses_the_miscompiled_tile(device):
-    """A 32-wide P tile at N/2 = 64 gave wrong values on the H200 (Triton 3.6): refused before launch."""
+    """A 32-wide P tile at N/2 = 64 gave wrong values on the H200 (Triton 3.6), a 16-wide one at N = 64, R = 4 wrong
+    values or an illegal address on the H100: refused before launch."""
     inputs = make_inputs(B=1, S=32, H=2, N=128, P=64, R=2, chunk_size=16, dtype=BF16, device=device, seed=3)
     config = ScanConfig(block_p=64, n_segments=1, block_half=64, out_block_p=32, split_gate=True)
     with pytest.raises(ValueError, match="miscompiles"):
         api.bwd_fwd(**inputs, config=config)
+    # A 16-wide tile at N = 64, R = 4 with 16-bit products: wrong values or an illegal address on the H100 (section 45).
+    inputs = make_inputs(B=1, S=70, H=2, N=64, P=48, R=4, chunk_size=16, dtype=BF16, device=device, seed=3)
+    config = ScanConfig(block_p=16, n_segments=2, out_block_p=16, local_states=True, split_gate=True)
+    with pytest.raises(ValueError, match="R = 4 miscompiles"):
+        api.bwd_fwd(**inputs, config=config)
+
+
+@pytest.mark.parametrize("N,R,block_p,dot_dtype,refused", [
+    (128, 2, 32, tl.bfloat16, True), (128, 2, 64, tl.bfloat16, False),
+    (64, 4, 16, tl.bfloat16, True), (64, 3, 16, tl.float16, True), (64, 4, 16, tl.float32, False),
+    (64, 2, 16, tl.bfloat16, False), (64, 4, 32, tl.bfloat16, False), (32, 4, 16, tl.bfloat16, False),
+])
+def test_miscompiled_tile_rule(N, R, block_p, dot_dtype, refused):
+    """The tiles chunk_scan refuses on the GPU: narrower than 64 at N/2 >= 64; narrower than 32 at N/2 >= 32 with four
+    rank rows a token (R = 3 pads to 4) and 16-bit products.  The rest, seen to pass on the GPU, are let through."""
+    meta = chunk_scan_meta(chunk_size=16, R=R, N=N, block_p=block_p)
+    if refused:
+        with pytest.raises(ValueError, match="miscompiles"):
+            refuse_miscompiled_tile(meta, block_p=block_p, N=N, R=R, dot_dtype=dot_dtype)
+    else:
+        refuse_miscompiled_tile(meta, block_p=block_p, N=N, R=R, dot_dtype=dot_dtype)

@@ -340,6 +340,20 @@ def chunk_scan_meta(*, chunk_size, R, N, block_p, span_chunks=1):
                 BLOCK_HALF=max(16, next_power_of_2(N // 2)), BLOCK_P=block_p, SPAN_CHUNKS=span_chunks)
 
 
+def refuse_miscompiled_tile(meta, *, block_p, N, R, dot_dtype):
+    """Raise on the P tiles that Triton 3.6 compiles wrong for the GPU (the interpreter computes them right)."""
+    # Seen on the H200 (sanitizer driver case production-split-p32): wrong values at small sizes, an illegal address
+    # at full size.
+    if meta["BLOCK_HALF"] >= 64 and block_p < 64:
+        raise ValueError(f"chunk_scan: a P tile of {block_p} with N/2 = {N // 2} miscompiles on this Triton; "
+                         "use block_p >= 64")
+    # Seen on the H100 (section 45): 16-bit products, N = 64, R = 4 and a 16-wide tile gave wrong values or an illegal
+    # address on some inputs and not on others.
+    if meta["BLOCK_HALF"] >= 32 and meta["BLOCK_R"] >= 4 and block_p < 32 and dot_dtype != tl.float32:
+        raise ValueError(f"chunk_scan: a P tile of {block_p} with N/2 = {N // 2} and R = {R} miscompiles on this "
+                         "Triton; use block_p >= 32")
+
+
 def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da_cs, da_cs_rev, gamma, trap_scale,
                states, qk_dot, chunk_size, block_p, dot_dtype, dot_precision, raw_y=None, raw_y_scale=None,
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
@@ -387,11 +401,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                          "stored raw_y, pass d=None")
     scaled = raw_y is not None and host_utils.check_raw_y_scratch("chunk_scan", raw_y, raw_y_scale, block_p)
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
-    if host_utils.compiled_for_gpu(q) and meta["BLOCK_HALF"] >= 64 and block_p < 64:
-        # Seen on the H200 with Triton 3.6 (sanitizer driver case production-split-p32): wrong values at
-        # small sizes, an illegal address at full size; the interpreter computes the same launch right.
-        raise ValueError(f"chunk_scan: a P tile of {block_p} with N/2 = {N // 2} miscompiles on this Triton; "
-                         "use block_p >= 64")
+    if host_utils.compiled_for_gpu(q):
+        refuse_miscompiled_tile(meta, block_p=block_p, N=N, R=R, dot_dtype=dot_dtype)
     nch = cdiv(S, chunk_size)
     n_spans = cdiv(nch, span_chunks)
     grid = (cdiv(P, block_p), cdiv(n_spans, spans_per_program), B * H)

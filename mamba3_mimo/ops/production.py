@@ -35,11 +35,12 @@ import torch
 import triton.language as tl
 
 from .chunk_output import chunk_output
-from .chunk_scan import chunk_scan
+from .chunk_scan import chunk_scan, chunk_scan_meta, refuse_miscompiled_tile
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
-from .host_utils import cdiv, dependent_launch_supported, next_power_of_2, precise_exp, rotation_math_dtype
+from .host_utils import (cdiv, compiled_for_gpu, dependent_launch_supported, next_power_of_2, precise_exp,
+                         rotation_math_dtype)
 from .launch import dependent_launches, forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
@@ -619,6 +620,11 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
                                has_z=z is not None, half_tables=rotation_dtype == torch.float16)
+    if config.split_gate and compiled_for_gpu(q):
+        # chunk_scan refuses these tiles too; here it is before the first launch.
+        meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=config.out_block_p,
+                               span_chunks=config.out_span_chunks)
+        refuse_miscompiled_tile(meta, block_p=config.out_block_p, N=N, R=R, dot_dtype=dot_dtype)
     with dependent_launches(config.pdl and dependent_launch_supported(q)):
         scan_rotation = rotation_math_dtype(dot_dtype, config.scan_half_rotation)
         out_rotation = rotation_math_dtype(dot_dtype, config.out_half_rotation)
