@@ -52,22 +52,12 @@ def _rotated_tiles(x_ptr, bias_ptr, x_offs, bias_offs, mask3, bias_mask, cos, si
             tl.load(bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :]
         x_lo = tl.where(mask3, x_lo, 0.0)
         x_hi = tl.where(mask3, x_hi, 0.0)
-        x_lo, x_hi = rotate_half(x_lo, x_hi, cos, sin)
     else:
-        x_lo, x_hi = _rotated_half_tiles(tl.load(x_ptr + x_offs, mask=mask3, other=0.0),
-                                         tl.load(x_ptr + x_offs + HALF, mask=mask3, other=0.0), bias_ptr, bias_offs,
-                                         mask3, bias_mask, cos, sin, HALF, MATH_DTYPE)
-    return x_lo, x_hi
-
-
-@triton.jit
-def _rotated_half_tiles(x_lo, x_hi, bias_ptr, bias_offs, mask3, bias_mask, cos, sin, HALF: tl.constexpr,
-                        MATH_DTYPE: tl.constexpr):
-    """_rotated_tiles in a 16-bit MATH_DTYPE from x's loaded halves."""
-    # The bias is not masked by token: padding rows take it, and the mask factor zeroes them.
-    x_lo, x_hi = bias_add_in_half(
-        x_lo, x_hi, tl.load(bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :],
-        tl.load(bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :], mask3, MATH_DTYPE)
+        # The bias is not masked by token: padding rows take it, and the mask factor zeroes them.
+        x_lo, x_hi = bias_add_in_half(
+            tl.load(x_ptr + x_offs, mask=mask3, other=0.0), tl.load(x_ptr + x_offs + HALF, mask=mask3, other=0.0),
+            tl.load(bias_ptr + bias_offs, mask=bias_mask, other=0.0)[None, :, :],
+            tl.load(bias_ptr + bias_offs + HALF, mask=bias_mask, other=0.0)[None, :, :], mask3, MATH_DTYPE)
     return rotate_half(x_lo, x_hi, cos, sin)
 
 
