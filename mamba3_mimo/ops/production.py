@@ -490,9 +490,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # entering state stored after q~ @ state at N64_P64 307 -> 297 with Z, 270 -> 262 without (N32 230 -> 228 and
     # 196 -> 194, N16 203 -> 204 and 156 -> 157: noise, left off); qk_dot stored after the products at N128_P128 with Z
     # 686 -> 664 (its 22 B of spill -> 8; N256 681 -> 681; at P = 64 it loses: N16 203 -> 223, N128_P64_R4_C16
-    # 352 -> 366).
+    # 352 -> 366), and without Z (the gate in chunk_scan) 579 -> 562 (76ce761, part 29).
     defer_state_store = bool(half_rotation and N == 64 and p_pow == 64)
-    defer_qk_dot = bool(swept and split_gate and not local_states and N == 128 and p_pow == 128 and has_z)
+    defer_qk_dot = bool(swept and split_gate and not local_states and N == 128 and p_pow == 128)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
