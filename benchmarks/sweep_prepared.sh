@@ -13,8 +13,9 @@
 # programmatic dependent launch; part 22 the segment fold as one scan (both timed on an H100, section 40); part 24
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
-# part 19's last two sweeps; part 28 chunk_scan's deferred stores.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-28 bash benchmarks/sweep_prepared.sh
+# part 19's last two sweeps; part 28 chunk_scan's deferred stores; part 31 (section 46) chunk_scan's bf16 rotation on the
+# two-pass shapes and N64_P128.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-31 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -363,8 +364,18 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
       -k "(test_production_configs and dqk) or miscompiled or (half_rotation and (defer or dqk))" 2>&1 | tail -n 3
     timeout 300 python3 benchmarks/probe_narrow_p_tile.py map 2>&1 | grep dispatch
     ;;
+  31)
+    # Section 46: chunk_scan's bf16 rotation in the low-register order where the rule leaves it off (the two-pass
+    # shapes and N64_P128, whose scans are Gluon's now; section 30 timed it against the Triton scans), alone and on
+    # 64-wide P tiles (statically: N256 255 registers / 128 B spill -> 154 / 0; N64_P128 and N128_P128 on 64-wide
+    # tiles 0 B).
+    bundle="out_half_rotation=1+out_q_cast_early=1+out_y_state_early=1"
+    sweep out_half_rotation CASES="N256_P64_R4_C8 N64_P128_R4_C16 N128_P128_R4_C8" \
+      KNOBS="$bundle,out_block_p=64,out_block_p=64+$bundle"
+    sweep out_half_rotation_noz NOZ=1 CASES="N256_P64_R4_C8" KNOBS="$bundle"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 30" >&2
+    echo "PART must be 1 to 22 or 24 to 31" >&2
     exit 2
     ;;
 esac
