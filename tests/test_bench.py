@@ -121,12 +121,12 @@ def test_dispatcher_chunk_scan_register_cap(N, P, has_z, cap):
 def test_dispatcher_swept_knobs(case, has_z, half_tables):
     """With the knobs the sweeps of 01845e8 chose (optimization.md 30): the bf16 rotation with chunk_scan's
     low-register order on the local-state shapes with bf16 products, except where the scan loads ahead (N64_P128);
-    never in the two-pass shapes (N256, N128_P128) nor with fp32 tables; the D skip in the gate's
-    math on every split shape with P <= 64 (section 31); the Gluon state scan asked for everywhere (production runs it
-    where it applies, section 33), and at N = 64 one wave of its programs for segments (section 34); the Gluon
-    gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); the flat token tables (section
-    44); chunk_scan's deferred stores at N64_P64 and N128_P128 (section 45).  Everything else as without them; the
-    defaults take them."""
+    not in the two-pass shapes (N256, N128_P128) but for chunk_scan's at N256 (section 46), nor with fp32 tables;
+    the D skip in the gate's math on every split shape with P <= 64 (section 31); the Gluon state scan asked for
+    everywhere (production runs it where it applies, section 33), and at N = 64 one wave of its programs for
+    segments (section 34); the Gluon gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37,
+    39); the flat token tables (section 44); chunk_scan's deferred stores at N64_P64 and N128_P128 (section 45).
+    Everything else as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
     plain = choose_config(**shape, swept_knobs=False)
@@ -144,8 +144,10 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert dataclasses.replace(config, **{name: getattr(plain, name) for name in knobs}) == plain
     half = half_tables and config.local_states and not config.scan_prefetch
     assert half is (half_tables and case not in ("N256_P64_R4_C8", "N128_P128_R4_C8", "N64_P128_R4_C16"))
-    assert config.scan_half_rotation is config.out_half_rotation is half
-    assert config.out_q_cast_early is config.out_y_state_early is half
+    assert config.scan_half_rotation is half
+    # chunk_scan's bf16 rotation and low-register order also in the two-pass N = 256 shape (H100, section 46).
+    out_half = half or (half_tables and case == "N256_P64_R4_C8")
+    assert config.out_half_rotation is config.out_q_cast_early is config.out_y_state_early is out_half
     assert config.d_in_gate is (config.split_gate and parse_case(case)["P"] <= 64)
     assert config.gluon_scan  # production runs it where gluon_state_scan.unsupported finds nothing against the call
     # The Gluon gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); R = 2 (a tie) and

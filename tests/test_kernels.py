@@ -449,11 +449,17 @@ HALF_ROTATION_CASES = [
                                      out_q_cast_early=True, out_y_state_early=True)),
     dict(R=4, G=1, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, local_states=True, split_gate=True,
                                      out_defer_qk_dot=True, out_half_rotation=True)),
+    # chunk_scan alone in half in the low-register order, two passes, spans of two chunks (the N = 256 rule, section
+    # 46).
+    dict(R=2, G=1, config=ScanConfig(block_p=32, n_segments=2, out_block_p=32, split_gate=True, out_span_chunks=2,
+                                     end_span_chunks=2, out_half_rotation=True, out_q_cast_early=True,
+                                     out_y_state_early=True)),
 ]
 
 
 @pytest.mark.parametrize("case", HALF_ROTATION_CASES, ids=["two-fused", "local-split", "scan-gate_in_scan",
-                                                           "out-fused-ranks", "defer-gate", "dqk-split"])
+                                                           "out-fused-ranks", "defer-gate", "dqk-split",
+                                                           "two-split-span-out"])
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 def test_production_half_rotation(check_kernel, case, dtype):
     """The bias add and rotation in the products' 16-bit dtype meet the contract in every stage that takes them."""

@@ -442,6 +442,12 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 292 -> 293.  It loses where the scan loads ahead (N64_P128 466 -> 482 with Z, 385 -> 446 without) and in the
     # two-pass scans (N256 793 -> 873, state scan 383 -> 476; N128_P128 815 -> 822; N16 without Z 248 -> 258).
     half_rotation = bool(swept and half_tables and local_states and not scan_prefetch)
+    # chunk_scan alone takes them in the two-pass shapes at N = 256, whose uncapped kernel spilled 128 B at 255
+    # registers (154 and no spill with them).  H100, d02587c (sweep_prepared.sh part 31, graph us, off -> on):
+    # N256_P64_R4_C8 685 -> 661 with Z, 653 -> 633 without (chunk_scan 326 -> 303, 353 -> 330).  Not at P = 128:
+    # N128_P128 668 -> 678, N64_P128 469 -> 519 (section 46).
+    out_half_rotation = half_rotation or bool(swept and half_tables and not local_states and split_gate
+                                              and half_pow >= 128)
     small_chunks = bool(split_gate and half_rotation and half_pow <= 16
                         and chunk_size * next_power_of_2(R) <= SMALL_CHUNK_ROWS)
     if small_chunks:
@@ -499,8 +505,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       local_states=local_states, split_gate=split_gate, out_max_registers=out_max_registers,
                       gate_tokens=gate_tokens, state_span_chunks=state_span_chunks, gate_in_scan=gate_in_scan,
                       scan_max_registers=scan_max_registers, num_warps=num_warps, scan_prefetch=scan_prefetch,
-                      d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=half_rotation,
-                      out_q_cast_early=half_rotation, out_y_state_early=half_rotation, gluon_scan=swept,
+                      d_in_gate=d_in_gate, scan_half_rotation=half_rotation, out_half_rotation=out_half_rotation,
+                      out_q_cast_early=out_half_rotation, out_y_state_early=out_half_rotation, gluon_scan=swept,
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
                       out_defer_qk_dot=defer_qk_dot)
