@@ -14,8 +14,8 @@
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
 # part 19's last two sweeps; part 28 chunk_scan's deferred stores; part 31 (section 46) chunk_scan's bf16 rotation on the
-# two-pass shapes and N64_P128.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-31 bash benchmarks/sweep_prepared.sh
+# two-pass shapes and N64_P128; part 32 N256's chunk_scan over single chunks, gate_grads' tokens at P = 128.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-32 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -374,8 +374,15 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
       KNOBS="$bundle,out_block_p=64,out_block_p=64+$bundle"
     sweep out_half_rotation_noz NOZ=1 CASES="N256_P64_R4_C8" KNOBS="$bundle"
     ;;
+  32)
+    # Section 46, after part 31's rule: N256's chunk_scan over single chunks (with the bf16 rotation 128 registers, no
+    # spill, 64 KB of shared memory: three programs an SM against two), and gate_grads' token range at P = 128.
+    sweep n256_span CASES="N256_P64_R4_C8" KNOBS="out_span_chunks=1"
+    sweep n256_span_noz NOZ=1 CASES="N256_P64_R4_C8" KNOBS="out_span_chunks=1"
+    sweep p128_gate_tokens CASES="N64_P128_R4_C16 N128_P128_R4_C8" KNOBS="gate_tokens=256"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 31" >&2
+    echo "PART must be 1 to 22 or 24 to 32" >&2
     exit 2
     ;;
 esac
