@@ -14,8 +14,9 @@
 # (section 42) the N16 / N32 state scan over a 64-wide P tile with twice the segments; part 25 (section 43) chunk_scan in
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
 # part 19's last two sweeps; part 28 chunk_scan's deferred stores; part 31 (section 46) chunk_scan's bf16 rotation on the
-# two-pass shapes and N64_P128; part 32 N256's chunk_scan over single chunks, gate_grads' tokens at P = 128.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-32 bash benchmarks/sweep_prepared.sh
+# two-pass shapes and N64_P128; part 32 N256's chunk_scan over single chunks, gate_grads' tokens at P = 128;
+# part 33 the gated chunk_scan's register cap.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-33 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -381,8 +382,16 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
     sweep n256_span_noz NOZ=1 CASES="N256_P64_R4_C8" KNOBS="out_span_chunks=1"
     sweep p128_gate_tokens CASES="N64_P128_R4_C16 N128_P128_R4_C8" KNOBS="gate_tokens=256"
     ;;
+  33)
+    # Section 46: the gated chunk_scan (no Z; R1_C64 with Z) uncapped or at 168 registers, three programs an SM with
+    # no spill, against the 128 cap's four with 40-128 B of spill (aot_report.py: 143-147 registers uncapped at N = 64
+    # and 128, R1_C64 176).
+    sweep gated_cap_noz NOZ=1 CASES="N64_P64_R4_C16 N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 \
+N128_P64_R1_C64" KNOBS="out_max_registers=0:168"
+    sweep gated_cap_r1 CASES="N128_P64_R1_C64" KNOBS="out_max_registers=168"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 32" >&2
+    echo "PART must be 1 to 22 or 24 to 33" >&2
     exit 2
     ;;
 esac

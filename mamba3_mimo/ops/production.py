@@ -179,7 +179,7 @@ class ScanConfig:
     right after the scores.  A store is where the compiler stops moving loads up (they might alias), and it waits for
     its data: in N128_P64_R4_C16's SASS the state / entry loads, then the state stores, then q's loads, then k's
     (section 44).  With ``DISPATCH_SWEPT_KNOBS`` the dispatcher defers the state store at N64_P64 and qk_dot at
-    N128_P128 with Z, where each was timed to win (section 45).
+    N128_P128, where each was timed to win (section 45; qk_dot without Z since section 46).
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
