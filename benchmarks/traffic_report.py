@@ -85,11 +85,20 @@ def json_records(data):
     return [record for records in data["groups"].values() for record in records]
 
 
+# The Gluon kernels do the Triton ones' work on the GPU; the capture (no GPU) records the Triton launches.
+GLUON_STANDS_FOR = {"gluon_scan": "state_scan", "gluon_gate_grads": "gate_grads"}
+
+
 def measured_times(path, case, config):
-    """breakdown_us of the record of ``case`` run with ``config`` in a bench / sweep JSON (None if absent)."""
+    """breakdown_us of the record of ``case`` run with ``config`` in a bench / sweep JSON (None if absent), keyed by
+    the captured kernels' names."""
     for record in json_records(json.load(open(path))):
         if record.get("case") == case and record.get("breakdown_us") and same_config(record.get("config", {}), config):
-            return {name.strip("_").removesuffix("_kernel"): us for name, us in record["breakdown_us"].items()}
+            times = {}
+            for name, us in record["breakdown_us"].items():
+                name = name.strip("_").removesuffix("_kernel")
+                times[GLUON_STANDS_FOR.get(name, name)] = us
+            return times
     return None
 
 
