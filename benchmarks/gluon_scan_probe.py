@@ -33,6 +33,7 @@ from mamba3_mimo.bench import parse_case  # noqa: E402
 from mamba3_mimo.inputs import make_inputs  # noqa: E402
 from mamba3_mimo.ops.chunk_state import chunk_local_states  # noqa: E402
 from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
+    MAX_REGISTERS,
     ROLES,
     STATE_ROWS,
     _gluon_scan_kernel,
@@ -48,9 +49,11 @@ from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
-def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False):
+def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False,
+                     max_registers=MAX_REGISTERS):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
-    needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in)."""
+    needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in);
+    ``max_registers``: the launch's register cap."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -79,7 +82,7 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=128,
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=max_registers,
                                                                                    launch_pdl=gdc))
 
 

@@ -15,8 +15,8 @@
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
 # part 19's last two sweeps; part 28 chunk_scan's deferred stores; part 31 (section 46) chunk_scan's bf16 rotation on the
 # two-pass shapes and N64_P128; part 32 N256's chunk_scan over single chunks, gate_grads' tokens at P = 128;
-# part 33 the gated chunk_scan's register cap.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-33 bash benchmarks/sweep_prepared.sh
+# part 33 the gated chunk_scan's register cap; part 34 (section 47) the Gluon scan at N = 64 under lower caps.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-34 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -390,8 +390,21 @@ out_span_chunks=1+out_num_warps=2:4+out_max_registers=64:96"
 N128_P64_R1_C64" KNOBS="out_max_registers=0:168"
     sweep gated_cap_r1 CASES="N128_P64_R1_C64" KNOBS="out_max_registers=168"
     ;;
+  34)
+    # Section 47: the Gluon scan at N = 64 holds two programs an SM (128 registers a thread over 8 hardware warps) and
+    # its time does not move with the segment count (N64_P64 2 / 4 / 8 segments 79 / 81 / 83 us, section 34): a fixed
+    # issue rate of two programs an SM.  A lower cap (scan_max_registers, which the Gluon scan now honours below 128)
+    # fits three (80) or four (64: 52 KB of shared memory a program at 32-wide P tiles) with no spill (static), and a
+    # 64-wide P tile rotates k once for all 64 columns instead of once a 32-wide tile.
+    export CASE_TIMEOUT=400
+    sweep n64_gluon_cap CASES="N64_P64_R4_C16" \
+      KNOBS="block_p=32+n_segments=2:4:6:8+scan_max_registers=64:80:128,block_p=64+n_segments=2:3:4:6+scan_max_registers=80:128"
+    sweep n64_gluon_cap_noz NOZ=1 CASES="N64_P64_R4_C16" \
+      KNOBS="block_p=32+n_segments=4:6:8+scan_max_registers=64,block_p=64+n_segments=2:3:4+scan_max_registers=80:128"
+    sweep n64p128_gluon_cap CASES="N64_P128_R4_C16" KNOBS="n_segments=2:3:4+scan_max_registers=80:128"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 33" >&2
+    echo "PART must be 1 to 22 or 24 to 34" >&2
     exit 2
     ;;
 esac

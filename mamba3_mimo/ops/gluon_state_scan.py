@@ -54,6 +54,9 @@ def half_columns(N):
     return min(BLOCK_HALF, N // 2)
 
 PRODUCER_REGISTERS = gl.constexpr(40)
+# Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
+# more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
+MAX_REGISTERS = 128
 
 
 @gluon.constexpr_function
@@ -371,7 +374,8 @@ ROLES = {
 
 
 def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
-            chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, **_unused):
+            chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, max_registers=0,
+            **_unused):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
@@ -382,7 +386,8 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
                         chunk_size=chunk_size, block_p=block_p)
     # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
-    # producer's 40 leave the consumer warpgroup 232.
+    # producer's 40 leave the consumer warpgroup 232 (at a cap of 64: 104).  ``max_registers`` (the production
+    # scans' ScanConfig.scan_max_registers) lowers the cap, never raises it.
     launch(_gluon_scan_kernel, (max(1, N // 2 // BLOCK_HALF) * (P // block_p), segments_launched, B * H),
            found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"], found["states_desc"],
            da_cs_rev, trap_scale, da_cs, k_bias, mimo_v, seg_state,
@@ -390,7 +395,8 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
            NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states),
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-           BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=128)
+           BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
+           maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS)
 
 
 def _segment_scratch(k, v, n_segments):
@@ -400,9 +406,10 @@ def _segment_scratch(k, v, n_segments):
 
 def gluon_chunk_local_states(*, states, n_segments, seg_state=None, num_buffers=None, **scan):
     """``chunk_local_states`` through the Gluon kernel: the same arguments (those it has no use for are ignored;
-    one chunk a step) plus ``num_buffers``, the depth of the shared-memory ring (default: the deepest of 1-3 within
-    99 KB, ``ring_depth``), and ``seg_state`` to write into (default: a new one).  ``states`` [B, H, nch, N, P] bf16
-    receives the segment-local states.  Returns seg_state [B, H, n_segments, N, P] fp32 (end states)."""
+    one chunk a step; ``max_registers`` can only lower its cap of 128) plus ``num_buffers``, the depth of the
+    shared-memory ring (default: the deepest of 1-3 within 99 KB, ``ring_depth``), and ``seg_state`` to write into
+    (default: a new one).  ``states`` [B, H, nch, N, P] bf16 receives the segment-local states.  Returns seg_state
+    [B, H, n_segments, N, P] fp32 (end states)."""
     seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
     _launch(role="local", states=states, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
             segments_launched=n_segments, **scan)

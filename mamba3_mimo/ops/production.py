@@ -140,7 +140,8 @@ class ScanConfig:
     state_span_chunks: chunks the scan that stores ``states`` (``chunk_states`` or ``chunk_local_states``)
     loads per step, storing the state entering each (1: one chunk a step).
     scan_max_registers: register cap per thread of the state scans (0: the compiler's choice); at 168 an SM
-    holds three 4-warp scan programs instead of two where the compiler takes 255 (the 64-wide tiles).
+    holds three 4-warp scan programs instead of two where the compiler takes 255 (the 64-wide tiles).  The Gluon
+    scan launches at 128 and takes a cap only below that (80: three programs an SM, 64: four).
     scan_prefetch: the state scans issue each step's loads one step ahead (held in registers across the
     step's products), so their latency hides under the previous step's work.
     end_scan_prefetch: the same for the end-state pass of the two-pass schedule alone (``segment_end_states``).
