@@ -50,10 +50,10 @@ from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False,
-                     max_registers=MAX_REGISTERS):
+                     max_registers=MAX_REGISTERS, half_rotation=False):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
     needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in);
-    ``max_registers``: the launch's register cap."""
+    ``max_registers``: the launch's register cap; ``half_rotation``: k's bias add and rotation in bf16."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -78,7 +78,8 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     store_states, fold_earlier, store_end = ROLES[role]
     constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
                      STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
-                     BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, GDC=gdc)
+                     BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, GDC=gdc,
+                     HALF_ROTATION=half_rotation)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)
@@ -213,8 +214,8 @@ def poisoned(shape, device, dtype=torch.bfloat16):
 
 
 def check_case(case, *, seed=0, num_buffers=None):
-    """GPU, an official shape (bf16, the dispatcher's segments and P tile): {role: max relative error of the kernel's
-    outputs against the production scan's in that role}."""
+    """GPU, an official shape (bf16, the dispatcher's segments, P tile and rotation dtype): {role: max relative error
+    of the kernel's outputs against the production scan's in that role}."""
     from mamba3_mimo.ops.chunk_state import chunk_states, segment_end_states
 
     inputs, scan = _official_scan(case, seed=seed)
@@ -242,7 +243,7 @@ def check_case(case, *, seed=0, num_buffers=None):
     return errors
 
 
-def _compare_roles(inputs, *, run, device, dot_dtype, num_warps):
+def _compare_roles(inputs, *, run, device, dot_dtype, num_warps, rotation_math_dtype=tl.float32):
     """{"local", "end", "store": max relative error of ``run``'s outputs in that role against the production scan's;
     "golden_local", "golden_store": the normwise error of its final states against the float64 reference}, on
     ``inputs`` with three segments (the last one shorter) and with one.  ``run(role, scan, states, seg_state)``
@@ -260,7 +261,7 @@ def _compare_roles(inputs, *, run, device, dot_dtype, num_warps):
     errors = {}
     for n_segments in (3, 1):
         scan = scan_arguments(inputs, n_segments=n_segments, block_half=N // 2, block_p=64, num_warps=num_warps,
-                              dot_dtype=dot_dtype, dot_precision="ieee")
+                              dot_dtype=dot_dtype, dot_precision="ieee", rotation_math_dtype=rotation_math_dtype)
         n_segments = scan.pop("n_segments")
         segment_shape = (B, H, n_segments, N, P)
         got, got_end = poisoned(shape, device), poisoned(segment_shape, device, torch.float32)
@@ -310,9 +311,9 @@ def check_emulation(N=128):
     return _compare_roles(inputs, run=run, device="cpu", dot_dtype=tl.float32, num_warps=4)
 
 
-def check_small(*, N=128, num_buffers=None):
+def check_small(*, N=128, num_buffers=None, half_rotation=False):
     """GPU: the kernel in each role on ``small_problem(N)`` with three segments (the last one shorter) and with one
-    (``_compare_roles``)."""
+    (``_compare_roles``); ``half_rotation``: k's bias add and rotation in bf16, the production scans' too."""
     inputs = small_problem(N, device="cuda")
     wrappers = dict(local=gluon_chunk_local_states, end=gluon_segment_end_states, store=gluon_chunk_states)
 
@@ -321,7 +322,8 @@ def check_small(*, N=128, num_buffers=None):
             scan = dict(scan, states=states)
         wrappers[role](**scan, n_segments=n_segments, seg_state=seg_state, num_buffers=num_buffers)
 
-    return _compare_roles(inputs, run=run, device="cuda", dot_dtype=tl.bfloat16, num_warps=8)
+    return _compare_roles(inputs, run=run, device="cuda", dot_dtype=tl.bfloat16, num_warps=8,
+                          rotation_math_dtype=tl.bfloat16 if half_rotation else tl.float32)
 
 
 def _official_scan(case, *, seed, n_segments=None):
@@ -331,7 +333,8 @@ def _official_scan(case, *, seed, n_segments=None):
     inputs = make_inputs(B=4, S=2048, H=16, G=1, dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
     scan = scan_arguments(inputs, n_segments=n_segments or config.n_segments, block_half=config.block_half,
                           block_p=config.block_p, num_warps=config.num_warps, dot_dtype=tl.bfloat16,
-                          dot_precision="ieee")
+                          dot_precision="ieee",
+                          rotation_math_dtype=tl.bfloat16 if config.scan_half_rotation else tl.float32)
     return inputs, scan
 
 

@@ -15,8 +15,9 @@
 # more, smaller programs; part 26 (section 44) an L2 blocking probe; part 27
 # part 19's last two sweeps; part 28 chunk_scan's deferred stores; part 31 (section 46) chunk_scan's bf16 rotation on the
 # two-pass shapes and N64_P128; part 32 N256's chunk_scan over single chunks, gate_grads' tokens at P = 128;
-# part 33 the gated chunk_scan's register cap; part 34 (section 47) the Gluon scan at N = 64 under lower caps.
-# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-34 bash benchmarks/sweep_prepared.sh
+# part 33 the gated chunk_scan's register cap; part 34 (section 47) the Gluon scan at N = 64 under lower caps; part 35
+# the Gluon scan's bf16 rotation.
+# usage: MAMBA3_COMMIT=<sha> OUT=... PART=1|...|22|24-35 bash benchmarks/sweep_prepared.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -403,8 +404,18 @@ N128_P64_R1_C64" KNOBS="out_max_registers=0:168"
       KNOBS="block_p=32+n_segments=4:6:8+scan_max_registers=64,block_p=64+n_segments=2:3:4+scan_max_registers=80:128"
     sweep n64p128_gluon_cap CASES="N64_P128_R4_C16" KNOBS="n_segments=2:3:4+scan_max_registers=80:128"
     ;;
+  35)
+    # Section 47: the Gluon scan's k rotation in bf16 where the rule rotates in bf16 (scan_half_rotation: the
+    # local-state shapes with bf16 products).  The Gluon kernel had rotated in fp32 whatever the knob said; in bf16
+    # its chunk loop is 20-32% shorter in SASS (N128_P64_R4_C16 716 -> 505, R8_C8 701 -> 478, N64_P64 447 -> 357) and
+    # R1_C64's 144 B of spill goes.  Predicted: the scan -15 to -25% where it is held by its issue rate (N = 64, the
+    # N = 128 local-state shapes), 2-5% of a call.  Here the knob off (fp32, as before) against on (the rule).
+    local="N64_P64_R4_C16 N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32 N128_P64_R1_C64"
+    sweep gluon_half_rotation CASES="$local" KNOBS="scan_half_rotation=0"
+    sweep gluon_half_rotation_noz NOZ=1 CASES="$local" KNOBS="scan_half_rotation=0"
+    ;;
   *)
-    echo "PART must be 1 to 22 or 24 to 34" >&2
+    echo "PART must be 1 to 22 or 24 to 35" >&2
     exit 2
     ;;
 esac

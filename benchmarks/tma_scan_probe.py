@@ -164,12 +164,15 @@ def tma_local_states(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_
     return seg_state
 
 
-def scan_arguments(inputs, *, n_segments, block_half, block_p, num_warps, dot_dtype, dot_precision):
-    """The state-scan arguments ``production_bwd_fwd`` builds for these inputs (fp32 rotation, one chunk a step)."""
+def scan_arguments(inputs, *, n_segments, block_half, block_p, num_warps, dot_dtype, dot_precision,
+                   rotation_math_dtype=tl.float32):
+    """The state-scan arguments ``production_bwd_fwd`` builds for these inputs (one chunk a step; the rotation in
+    ``rotation_math_dtype``, with tables in it where it is a half dtype, as where both stages rotate in it)."""
     activations = [inputs[name].dtype for name in ("q", "k", "v", "dout")]
+    half = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}.get(rotation_math_dtype)
     gamma, trap_scale, cos_angles, sin_angles = token_tables(
         dt=inputs["dt"], trap=inputs["trap"], angles=inputs["angles"],
-        rotation_dtype=rotation_table_dtype(*activations))
+        rotation_dtype=half or rotation_table_dtype(*activations))
     nch = cdiv(inputs["k"].shape[1], inputs["chunk_size"])
     chunks_per_segment = cdiv(nch, n_segments)
     return dict(k=inputs["k"], v=inputs["v"], cos_angles=cos_angles, sin_angles=sin_angles, k_bias=inputs["k_bias"],
@@ -177,7 +180,7 @@ def scan_arguments(inputs, *, n_segments, block_half, block_p, num_warps, dot_dt
                 trap_scale=trap_scale, chunk_size=inputs["chunk_size"], n_segments=cdiv(nch, chunks_per_segment),
                 chunks_per_segment=chunks_per_segment, block_half=block_half, block_p=block_p, dot_dtype=dot_dtype,
                 dot_precision=dot_precision, num_warps=num_warps, max_registers=0, prefetch=False,
-                skip_unrotated=False, rotation_math_dtype=tl.float32)
+                skip_unrotated=False, rotation_math_dtype=rotation_math_dtype)
 
 
 def states_pair(inputs, scan, variant):

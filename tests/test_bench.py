@@ -124,8 +124,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     not in the two-pass shapes (N256, N128_P128) but for chunk_scan's at N256 (section 46), nor with fp32 tables;
     the D skip in the gate's math on every split shape with P <= 64 (section 31); the Gluon state scan asked for
     everywhere (production runs it where it applies, section 33), and at N = 64 one wave of its programs for
-    segments (section 34); the Gluon gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37,
-    39); the flat token tables (section 44); chunk_scan's deferred stores at N64_P64 and N128_P128 (section 45).
+    segments (section 34) over 64-wide P tiles (section 47); the Gluon gate_grads wherever gate_grads runs at R = 4
+    or 8 and P <= 64 (sections 37, 39); the flat token tables (section 44); chunk_scan's deferred stores at N64_P64
+    and N128_P128 (section 45).
     Everything else as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
@@ -135,12 +136,14 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
-             "out_defer_qk_dot", "out_max_registers", "n_segments",
+             "out_defer_qk_dot", "block_p", "out_max_registers", "n_segments",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
-    assert not any(getattr(plain, name) for name in knobs[:-6])
+    assert not any(getattr(plain, name) for name in knobs[:-7])
+    # The Gluon scan's P tile at N = 64 is 64 wide (section 47); elsewhere the plain rule's.
+    gluon_n64 = parse_case(case)["N"] == 64 and config.local_states
+    assert config.block_p == (64 if gluon_n64 else plain.block_p)
     gluon_programs = 64 * -(-parse_case(case)["P"] // config.block_p)  # B * H * P tiles, one N piece at N = 64
-    assert config.n_segments == (2 * 132 // gluon_programs if parse_case(case)["N"] == 64 and config.local_states
-                                 else plain.n_segments)
+    assert config.n_segments == (2 * 132 // gluon_programs if gluon_n64 else plain.n_segments)
     assert dataclasses.replace(config, **{name: getattr(plain, name) for name in knobs}) == plain
     half = half_tables and config.local_states and not config.scan_prefetch
     assert half is (half_tables and case not in ("N256_P64_R4_C8", "N128_P128_R4_C8", "N64_P128_R4_C16"))

@@ -91,10 +91,13 @@ def test_probe_refuses_shapes_its_boxes_do_not_cover(change, message):
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("N, num_buffers", [(64, 1), (64, None), (128, 1), (128, 2), (256, None)])
-def test_probe_matches_the_production_scans_and_the_golden(N, num_buffers):
-    # Outputs start as NaN: an element the probe leaves unwritten reads as an infinite error.
-    errors = gluon_scan_probe.check_small(N=N, num_buffers=num_buffers)
+@pytest.mark.parametrize("N, num_buffers, half_rotation", [(64, 1, False), (64, None, False), (128, 1, False),
+                                                            (128, 2, False), (256, None, False), (64, None, True),
+                                                            (128, 2, True), (256, None, True)])
+def test_probe_matches_the_production_scans_and_the_golden(N, num_buffers, half_rotation):
+    # Outputs start as NaN: an element the probe leaves unwritten reads as an infinite error.  half_rotation: k's bias
+    # add and rotation in bf16 in both the kernel and the production scans it is compared with.
+    errors = gluon_scan_probe.check_small(N=N, num_buffers=num_buffers, half_rotation=half_rotation)
     assert set(errors) == {"local", "end", "store", "golden_local", "golden_store"}
     assert max(errors.values()) <= 1e-2, errors
 
@@ -194,17 +197,21 @@ GLUON_PRODUCTION_CASES = [
     dict(N=64, P=64, R=2, chunk_size=16, S=192, H=2, G=1, local_states=False),
     dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=False),
     dict(N=256, P=64, R=4, chunk_size=8, S=128, H=2, G=1, local_states=False),
+    # k rotated in bf16 (the local-state shapes' rule, section 47) at N = 128 and at N = 64.
+    dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True, half_rotation=True),
+    dict(N=64, P=64, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True, half_rotation=True),
 ]
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES, ids=lambda c: f"N{c['N']}-P{c['P']}-"
-                         f"{'local' if c['local_states'] else 'two'}")
+                         f"{'local' if c['local_states'] else 'two'}{'-half' if c.get('half_rotation') else ''}")
 def test_production_with_gluon_scan_matches_the_reference(check_kernel, monkeypatch, case):
     calls = _spy_on_gluon_wrappers(monkeypatch)
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
     config = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
-                                 local_states=case["local_states"], block_p=64)
+                                 local_states=case["local_states"], block_p=64,
+                                 scan_half_rotation=case.get("half_rotation", False))
     check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config,
                  dA_scale=0.1, **shape)
     assert calls, "the Gluon scan did not run"

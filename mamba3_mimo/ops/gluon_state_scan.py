@@ -8,7 +8,8 @@ split (section 32).  Here Gluon (``triton.experimental.gluon``) states the split
   TMA: k as two [R, C, 64] boxes of k viewed as [R, B * S, G * N] (a chunk's rows land rank-major, so each rank's
   [C, 64] block shares its tokens' tiles without a broadcast), cos / sin as [C, 64] boxes of the [B * S, H * RD]
   tables and v as a [C, P tile] box;
-- the 4-warp consumer partition (232 registers) rotates k, weighs v, writes the update's operands to shared memory,
+- the 4-warp consumer partition (232 registers) rotates k (in fp32, or in bf16 where the production scans'
+  ``rotation_math_dtype`` is 16-bit), weighs v, writes the update's operands to shared memory,
   releases the stage and runs ``state = decay * state + k~^T @ psiv`` as two wgmma, one per N/2 half, into
   [64, P tile] fp32 accumulators; entering states leave through shared memory as asynchronous TMA stores.
 
@@ -26,6 +27,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -103,8 +105,12 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
               psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
               seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
               BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr,
-              STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+              STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
+              num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
+    # k's bias add and rotation in bf16 (two elements a register, no conversion before the operand store) or fp32:
+    # the production scans' rotation_math_dtype.
+    ROTATION_DTYPE: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
     BLOCK_HALF: gl.constexpr = k_lo_bufs.type.shape[3]
     # N = 64: the halves' 32 rows each are stacked in one [64, P tile] state (rows n, as in memory).
     STACKED: gl.constexpr = BLOCK_HALF < _STATE_ROWS
@@ -169,15 +175,15 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         decay = gl.exp(log_decay)
         weight = gl.exp(da_rev) * trap_scale
-        cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(gl.float32), 1.0)
-        sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(gl.float32), 0.0)
+        cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 1.0)
+        sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 0.0)
         v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
         k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
         k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
         for r in gl.static_range(R):
-            k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_lo_smem.index(r).load(
+            k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_lo_smem.index(r).load(
                 gl.SliceLayout(0, k_layout))[None, :]
-            k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(gl.float32) + bias_hi_smem.index(r).load(
+            k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_hi_smem.index(r).load(
                 gl.SliceLayout(0, k_layout))[None, :]
             if STACKED:
                 # One [C, 64] row block [lo | hi] (joined in registers: one store, where two column slices took a
@@ -217,7 +223,7 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                        C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
-                       num_warps: gl.constexpr, GDC: gl.constexpr = False):
+                       num_warps: gl.constexpr, GDC: gl.constexpr = False, HALF_ROTATION: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
     scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
     (``chunk_state.py``)."""
@@ -268,14 +274,16 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
     # Rank-1 layouts: a row of the [R, cols] buffers is indexed out as a vector.
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    bias_lo_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_HALF], plain)
-    bias_hi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_HALF], plain)
+    # The bias rows in the rotation's dtype: the consumer adds them to k as they are.
+    bias_dtype: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
+    bias_lo_smem = gl.allocate_shared_memory(bias_dtype, [R, BLOCK_HALF], plain)
+    bias_hi_smem = gl.allocate_shared_memory(bias_dtype, [R, BLOCK_HALF], plain)
     psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], plain)
     col = n0 + gl.arange(0, BLOCK_HALF, row_layout)
     psi_col = p0 + gl.arange(0, BLOCK_P, row_layout)
     for r in gl.static_range(R):
-        bias_lo_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + col))
-        bias_hi_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + HALF + col))
+        bias_lo_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + col).to(bias_dtype))
+        bias_hi_smem.index(r).store(gl.load(k_bias_ptr + (h * R + r) * N + HALF + col).to(bias_dtype))
         psi_smem.index(r).store(gl.load(psi_ptr + (h * R + r) * P + psi_col))
 
     gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
@@ -284,7 +292,7 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                      a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem, psi_smem,
                      states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
                      seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS,
-                     num_warps)),
+                     HALF_ROTATION, num_warps)),
         (_producer, (k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready,
                      empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD, GDC)),
     ], [1], [PRODUCER_REGISTERS])
@@ -375,7 +383,7 @@ ROLES = {
 
 def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
             chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, max_registers=0,
-            **_unused):
+            rotation_math_dtype=tl.float32, **_unused):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
@@ -396,7 +404,8 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states),
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
-           maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS)
+           maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS,
+           HALF_ROTATION=rotation_math_dtype != tl.float32)
 
 
 def _segment_scratch(k, v, n_segments):

@@ -86,6 +86,8 @@ WIDE_NARROW_SCAN = True
 MIN_CHUNKS_PER_SEGMENT = 4
 # Gluon state scan programs an SM (gluon_state_scan.py: 8 hardware warps at 128 registers a thread).
 GLUON_SCAN_PROGRAMS_PER_SM = 2
+# The Gluon state scan's widest P tile (a 128-byte bf16 box row).
+GLUON_SCAN_MAX_BLOCK_P = 64
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -410,6 +412,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
         # segments): N64_P64_R4_C16 320 -> 299 (chunk_scan 144 -> 138, segment_entry 15 -> 3, scan 81 -> 79);
         # N64_P128_R4_C16 is at 2 already (427; 1 segment 459, 4 455).  Not timed at N >= 128 (N128_P32 would go
         # from 4 to 2).  Where the Gluon scan does not apply (off Hopper) the Triton scan runs at this count.
+        # Its P tile is 64 wide (its widest box) where P allows: each program rotates a chunk's k once for 64
+        # columns, not once for each of two 32-wide tiles, and one wave holds twice the segments at half the steps.
+        # H100, 9432861 (sweep_prepared.sh part 34, graph us, 32-wide at 2 segments -> 64-wide at 4):
+        # N64_P64_R4_C16 297.4 -> 273.9 with Z (scan 79 -> 49, chunk_scan 139 -> 144), 263.0 -> 238.5 without; at 2
+        # / 3 / 6 segments 284.5 / 281.5 / 297.3.  Three or four 32-wide programs an SM (register caps 80 / 64) gave
+        # at best 288.5 (4 segments, cap 64).
+        block_p = min(p_pow, GLUON_SCAN_MAX_BLOCK_P)
         want_segments = max(1, GLUON_SCAN_PROGRAMS_PER_SM * num_sms // (B * H * cdiv(P, block_p)))
     n_segments = max(1, min(want_segments, nch // MIN_CHUNKS_PER_SEGMENT))
     # One chunk per output program: walking several keeps the loop's tiles live and took the kernel
