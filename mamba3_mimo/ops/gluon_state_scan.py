@@ -115,6 +115,7 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
     # N = 64: the halves' 32 rows each are stacked in one [64, P tile] state (rows n, as in memory).
     STACKED: gl.constexpr = BLOCK_HALF < _STATE_ROWS
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    STORE_BUFFERS: gl.constexpr = out_lo_smem.type.shape[0]
     if STACKED:
         # 32-column tiles: 4 columns (8 bytes) a thread, a warp's lanes over 4 rows, not one 2-byte column a lane.
         k_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
@@ -161,16 +162,19 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
         next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
         next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
         if STORE_STATES:
-            # The state entering chunk c goes out through shared memory as an asynchronous TMA store; the previous
-            # chunk's store has had a whole step to finish reading its buffers.
-            tma.store_wait(0)
-            out_lo_smem.store(state_lo.to(gl.bfloat16))
+            # The state entering chunk c goes out through shared memory as an asynchronous TMA store.  With one
+            # buffer the previous chunk's store must have finished reading it (it had a whole step); with two, the
+            # store of two chunks back (STORE_BUFFERS - 1 groups may still be reading).
+            out_lo = out_lo_smem.index(i % STORE_BUFFERS)
+            out_hi = out_hi_smem.index(i % STORE_BUFFERS)
+            tma.store_wait(STORE_BUFFERS - 1)
+            out_lo.store(state_lo.to(gl.bfloat16))
             if not STACKED:
-                out_hi_smem.store(state_hi.to(gl.bfloat16))
+                out_hi.store(state_hi.to(gl.bfloat16))
             fence_async_shared()
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + n0, p0], out_lo_smem)
+            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + n0, p0], out_lo)
             if not STACKED:
-                tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi_smem)
+                tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi)
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         decay = gl.exp(log_decay)
@@ -223,7 +227,8 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                        C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
-                       num_warps: gl.constexpr, GDC: gl.constexpr = False, HALF_ROTATION: gl.constexpr = False):
+                       num_warps: gl.constexpr, GDC: gl.constexpr = False, HALF_ROTATION: gl.constexpr = False,
+                       STORE_BUFFERS: gl.constexpr = 1):
     """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
     scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
     (``chunk_state.py``)."""
@@ -264,11 +269,13 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
         a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, _STATE_ROWS], a_layout)
     psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_P],
                                           gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_P], gl.bfloat16))
-    out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
+    # STORE_BUFFERS state-store buffers a half (two where shared memory allows: no wait on the last step's store).
+    store_shape: gl.constexpr = [STORE_BUFFERS] + states_desc.block_type.shape
+    out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
     if STACKED:
         out_hi_smem = out_lo_smem
     else:
-        out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, states_desc.block_type.shape, states_desc.layout)
+        out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
 
     # The head's k bias and Psi tile, read once into shared memory: a rank's row is then one shared load a chunk.
     # Rank-1 layouts: a row of the [R, cols] buffers is indexed out as a vector.
@@ -383,13 +390,17 @@ ROLES = {
 
 def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
             chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, max_registers=0,
-            rotation_math_dtype=tl.float32, **_unused):
+            rotation_math_dtype=tl.float32, store_buffers=None, **_unused):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
+    num_buffers = num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states)
+    if store_buffers is None:
+        store_buffers = state_store_buffers(C=chunk_size, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
+                                            store_states=store_states)
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
                         chunk_size=chunk_size, block_p=block_p)
     # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
@@ -401,7 +412,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            da_cs_rev, trap_scale, da_cs, k_bias, mimo_v, seg_state,
            S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
-           NUM_BUFFERS=num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states),
+           NUM_BUFFERS=num_buffers, STORE_BUFFERS=store_buffers,
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
            maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS,
@@ -416,9 +427,10 @@ def _segment_scratch(k, v, n_segments):
 def gluon_chunk_local_states(*, states, n_segments, seg_state=None, num_buffers=None, **scan):
     """``chunk_local_states`` through the Gluon kernel: the same arguments (those it has no use for are ignored;
     one chunk a step; ``max_registers`` can only lower its cap of 128) plus ``num_buffers``, the depth of the
-    shared-memory ring (default: the deepest of 1-3 within 99 KB, ``ring_depth``), and ``seg_state`` to write into
-    (default: a new one).  ``states`` [B, H, nch, N, P] bf16 receives the segment-local states.  Returns seg_state
-    [B, H, n_segments, N, P] fp32 (end states)."""
+    shared-memory ring (default: the deepest of 1-3 within 99 KB, ``ring_depth``; the state-store buffers, one or
+    two, then take what fits: ``state_store_buffers``), and ``seg_state`` to write into (default: a new one).
+    ``states`` [B, H, nch, N, P] bf16 receives the segment-local states.  Returns seg_state [B, H, n_segments, N, P]
+    fp32 (end states)."""
     seg_state = _segment_scratch(scan["k"], scan["v"], n_segments) if seg_state is None else seg_state
     _launch(role="local", states=states, seg_state=seg_state, n_segments=n_segments, num_buffers=num_buffers,
             segments_launched=n_segments, **scan)
@@ -451,7 +463,7 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
             n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
 
 
-def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True):
+def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_buffers=1):
     """The kernel's shared memory, the same for any N of 128 or more (a program holds a [2 x 64, P tile] piece; at
     N = 64 [2 x 32, P tile], half the k, table, operand and store bytes): the ring's stages plus the update's
     operands, the bias / Psi rows and, where it stores states, the state-store buffers (the compiler adds barriers
@@ -459,7 +471,7 @@ def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True):
     half = half_columns(N)
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
-    return fixed + num_buffers * stage + (2 * half * block_p * 2 if store_states else 0)
+    return fixed + num_buffers * stage + (store_buffers * 2 * half * block_p * 2 if store_states else 0)
 
 
 def ring_depth(*, C, R, block_p, N=128, store_states=True):
@@ -467,3 +479,12 @@ def ring_depth(*, C, R, block_p, N=128, store_states=True):
     what the model leaves out."""
     return max([1] + [depth for depth in (2, 3) if shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, N=N,
                                                                 store_states=store_states) + 768 <= SMEM_LIMIT])
+
+
+def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True):
+    """State-store buffers a half: two where they fit beside the ring of ``num_buffers`` stages within the 99 KB
+    bound (with ``ring_depth``'s 768 bytes of slack; the ring keeps its depth first), else one."""
+    if not store_states:
+        return 1
+    fits = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=2) + 768 <= SMEM_LIMIT
+    return 2 if fits else 1
