@@ -73,6 +73,23 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
     assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64) == 63_488
 
 
+@pytest.mark.parametrize("case, store_buffers", [("N64_P64_R4_C16", 2), ("N64_P128_R4_C16", 2), ("N256_P64_R4_C8", 2),
+                                                 ("N128_P64_R1_C64", 2), ("N128_P64_R4_C16", 1), ("N128_P32_R4_C16", 1),
+                                                 ("N128_P64_R2_C32", 1)])
+def test_state_store_buffers_take_what_fits_beside_the_ring(case, store_buffers):
+    """Two state-store buffers where they fit beside the ring within 99 KB (N = 64: 63.5 + 8 KB), else one; the ring
+    keeps its depth, and a role that stores no states takes one."""
+    shape = gluon_scan_probe.parse_case(case)
+    tile = dict(C=shape["chunk_size"], R=shape["R"], block_p=min(shape["P"], 64), N=shape["N"])
+    depth = gluon_state_scan.ring_depth(**tile)
+    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth) == store_buffers
+    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth, store_states=False) == 1
+    limit = gluon_state_scan.SMEM_LIMIT - 768
+    assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_buffers=store_buffers) <= limit
+    if store_buffers == 1:
+        assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_buffers=2) > limit
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(N=96), "N = 64 or a multiple of 128"),
     (dict(N=32), "N = 64 or a multiple of 128"),
