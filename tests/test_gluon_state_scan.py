@@ -78,12 +78,14 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
                                                  ("N128_P64_R2_C32", 1)])
 def test_state_store_buffers_take_what_fits_beside_the_ring(case, store_buffers):
     """Two state-store buffers where they fit beside the ring within 99 KB (N = 64: 63.5 + 8 KB), else one; the ring
-    keeps its depth, and a role that stores no states takes one."""
+    keeps its depth, and a role that stores no states takes one.  The default allows one (MAX_STATE_STORE_BUFFERS)."""
     shape = gluon_scan_probe.parse_case(case)
     tile = dict(C=shape["chunk_size"], R=shape["R"], block_p=min(shape["P"], 64), N=shape["N"])
     depth = gluon_state_scan.ring_depth(**tile)
-    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth) == store_buffers
-    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth, store_states=False) == 1
+    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth, most=2) == store_buffers
+    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth, most=2, store_states=False) == 1
+    assert gluon_state_scan.state_store_buffers(**tile, num_buffers=depth) == min(
+        store_buffers, gluon_state_scan.MAX_STATE_STORE_BUFFERS)
     limit = gluon_state_scan.SMEM_LIMIT - 768
     assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_buffers=store_buffers) <= limit
     if store_buffers == 1:

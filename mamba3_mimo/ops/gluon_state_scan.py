@@ -56,6 +56,9 @@ def half_columns(N):
     return min(BLOCK_HALF, N // 2)
 
 PRODUCER_REGISTERS = gl.constexpr(40)
+# State-store buffers a half at most (``state_store_buffers``).  Two spare each step the wait for the previous step's
+# TMA store to finish reading its buffer; prepared, not yet timed or GPU-tested (section 47), so one.
+MAX_STATE_STORE_BUFFERS = 1
 # Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
 # more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
 MAX_REGISTERS = 128
@@ -481,10 +484,12 @@ def ring_depth(*, C, R, block_p, N=128, store_states=True):
                                                                 store_states=store_states) + 768 <= SMEM_LIMIT])
 
 
-def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True):
-    """State-store buffers a half: two where they fit beside the ring of ``num_buffers`` stages within the 99 KB
-    bound (with ``ring_depth``'s 768 bytes of slack; the ring keeps its depth first), else one."""
+def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True, most=None):
+    """State-store buffers a half: up to ``most`` (default ``MAX_STATE_STORE_BUFFERS``) where they fit beside the ring
+    of ``num_buffers`` stages within the 99 KB bound (with ``ring_depth``'s 768 bytes of slack; the ring keeps its
+    depth first), at least one."""
+    most = MAX_STATE_STORE_BUFFERS if most is None else most
     if not store_states:
         return 1
-    fits = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=2) + 768 <= SMEM_LIMIT
-    return 2 if fits else 1
+    return max([1] + [count for count in range(2, most + 1) if shared_bytes(
+        C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=count) + 768 <= SMEM_LIMIT])
