@@ -469,8 +469,9 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
 def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_buffers=1):
     """The kernel's shared memory, the same for any N of 128 or more (a program holds a [2 x 64, P tile] piece; at
     N = 64 [2 x 32, P tile], half the k, table, operand and store bytes): the ring's stages plus the update's
-    operands, the bias / Psi rows and, where it stores states, the state-store buffers (the compiler adds barriers
-    and alignment: 236-268 bytes more on the official shapes)."""
+    operands, the bias / Psi rows (the bias counted in fp32: under the bf16 rotation it takes half) and, where it
+    stores states, the state-store buffers (the compiler adds barriers and alignment: 236-268 bytes more on the
+    official shapes)."""
     half = half_columns(N)
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
     fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
