@@ -486,11 +486,9 @@ def ring_depth(*, C, R, block_p, N=128, store_states=True):
 
 
 def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True, most=None):
-    """State-store buffers a half: up to ``most`` (default ``MAX_STATE_STORE_BUFFERS``) where they fit beside the ring
-    of ``num_buffers`` stages within the 99 KB bound (with ``ring_depth``'s 768 bytes of slack; the ring keeps its
-    depth first), at least one."""
+    """State-store buffers a half: two where ``most`` (default ``MAX_STATE_STORE_BUFFERS``) allows them and they fit
+    beside the ring of ``num_buffers`` stages within the 99 KB bound (with ``ring_depth``'s 768 bytes of slack; the
+    ring keeps its depth first), else one."""
     most = MAX_STATE_STORE_BUFFERS if most is None else most
-    if not store_states:
-        return 1
-    return max([1] + [count for count in range(2, most + 1) if shared_bytes(
-        C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=count) + 768 <= SMEM_LIMIT])
+    two_fit = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=2) + 768 <= SMEM_LIMIT
+    return 2 if store_states and most >= 2 and two_fit else 1
