@@ -46,16 +46,18 @@ from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
     ring_depth,
     shared_bytes,
     state_store_buffers,
+    update_operand_buffers,
 )
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False,
-                     max_registers=MAX_REGISTERS, half_rotation=False, store_buffers=None):
+                     max_registers=MAX_REGISTERS, half_rotation=False, store_buffers=None, operand_buffers=None):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
     needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in);
     ``max_registers``: the launch's register cap; ``half_rotation``: k's bias add and rotation in bf16;
-    ``store_buffers``: state-store buffers (default: the wrappers' choice, ``state_store_buffers``)."""
+    ``store_buffers`` / ``operand_buffers``: state-store buffers and sets of update operands (default: the wrappers'
+    choices, ``state_store_buffers`` and ``update_operand_buffers``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -64,9 +66,12 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     block_p = block_p or min(P, 64)
     num_buffers = num_buffers or ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=ROLES[role][0])
+    if operand_buffers is None:
+        operand_buffers = update_operand_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
+                                                 store_states=ROLES[role][0])
     if store_buffers is None:
         store_buffers = state_store_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
-                                            store_states=ROLES[role][0])
+                                            store_states=ROLES[role][0], operand_buffers=operand_buffers)
     B, S, H, G = 4, 2048, 16, 1
     # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
@@ -84,7 +89,7 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=block_p, NUM_BUFFERS=num_buffers,
                      STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, GDC=gdc,
-                     HALF_ROTATION=half_rotation, STORE_BUFFERS=store_buffers)
+                     HALF_ROTATION=half_rotation, STORE_BUFFERS=store_buffers, OPERAND_BUFFERS=operand_buffers)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)
@@ -394,10 +399,14 @@ def compile_records(case, roles, with_production=False):
     for role in roles:
         store_states = ROLES[role][0]
         depth = ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=store_states)
-        stores = state_store_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=depth, store_states=store_states)
+        operands = update_operand_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=depth,
+                                          store_states=store_states)
+        stores = state_store_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=depth, store_states=store_states,
+                                     operand_buffers=operands)
         model = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, N=N, store_states=store_states,
-                             store_buffers=stores)
+                             store_buffers=stores, operand_buffers=operands)
         records.append(dict(case=case, role=role, block_p=block_p, num_buffers=depth, store_buffers=stores,
+                            operand_buffers=operands,
                             shared_model=model,
                             **summary(compile_for_sm90(case, role=role, block_p=block_p, num_buffers=depth))))
     return records

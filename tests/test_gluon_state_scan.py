@@ -219,11 +219,13 @@ GLUON_PRODUCTION_CASES = [
     # k rotated in bf16 (the local-state shapes' rule, section 47) at N = 128 and at N = 64.
     dict(N=128, P=128, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True, half_rotation=True),
     dict(N=64, P=64, R=4, chunk_size=16, S=256, H=4, G=2, local_states=True, half_rotation=True),
+    # 7 chunks in 3 segments: 3, 3 and 1 steps (a segment of one chunk: the two-operand-set loop's prologue alone).
+    dict(N=64, P=64, R=4, chunk_size=16, S=112, H=2, G=1, local_states=True),
 ]
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES, ids=lambda c: f"N{c['N']}-P{c['P']}-"
+@pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES, ids=lambda c: f"N{c['N']}-P{c['P']}-S{c['S']}-"
                          f"{'local' if c['local_states'] else 'two'}{'-half' if c.get('half_rotation') else ''}")
 def test_production_with_gluon_scan_matches_the_reference(check_kernel, monkeypatch, case):
     calls = _spy_on_gluon_wrappers(monkeypatch)

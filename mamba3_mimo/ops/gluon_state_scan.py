@@ -59,6 +59,9 @@ PRODUCER_REGISTERS = gl.constexpr(40)
 # State-store buffers a half at most (``state_store_buffers``).  Two spare each step the wait for the previous step's
 # TMA store to finish reading its buffer; prepared, not yet timed or GPU-tested (section 47), so one.
 MAX_STATE_STORE_BUFFERS = 1
+# Sets of update operands at most (``operand_buffers``).  Two let a step's wgmma run while the consumer rotates the next
+# chunk into the other set; prepared, not yet timed or GPU-tested (section 48), so one.
+MAX_OPERAND_BUFFERS = 1
 # Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
 # more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
 MAX_REGISTERS = 128
@@ -103,6 +106,65 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs
 
 
 @gluon.jit
+def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, a_lo, a_hi, psiv,
+                    bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C: gl.constexpr,
+                    R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr, k_layout: gl.constexpr,
+                    p_layout: gl.constexpr):
+    """Step ``step``'s update operands from its ring stage (``stage``, step % ring depth): k~ (a_lo / a_hi, rows
+    (rank, token)) and the weighted psiv; the stage is then released to the producer.  Returns the chunk's decay,
+    exp(``log_decay``)."""
+    BLOCK_HALF: gl.constexpr = k_lo_bufs.type.shape[3]
+    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    mbarrier.wait(ready.index(stage), (step // NUM_BUFFERS) & 1)
+    decay = gl.exp(log_decay)
+    weight = gl.exp(da_rev) * trap_scale
+    cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 1.0)
+    sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 0.0)
+    v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
+    k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
+    k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
+    for r in gl.static_range(R):
+        k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_lo_smem.index(r).load(
+            gl.SliceLayout(0, k_layout))[None, :]
+        k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_hi_smem.index(r).load(
+            gl.SliceLayout(0, k_layout))[None, :]
+        if STACKED:
+            # One [C, 64] row block [lo | hi] (joined in registers: one store, where two column slices took a
+            # barrier more a rank).
+            pairs = gl.join((cos * k_lo - sin * k_hi).to(gl.bfloat16), (sin * k_lo + cos * k_hi).to(gl.bfloat16))
+            a_lo.slice(r * C, C).store(gl.reshape(gl.permute(pairs, (0, 2, 1)), [C, 2 * BLOCK_HALF]))
+        else:
+            a_lo.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
+            a_hi.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
+        psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))
+        psiv.slice(r * C, C).store((v_weighted * psi[None, :]).to(gl.bfloat16))
+    # Orders this partition's shared-memory reads and writes before the producer's next TMA into the stage and
+    # before the wgmma reads of the operands.
+    fence_async_shared()
+    mbarrier.arrive(empty.index(stage), count=1)
+    return decay
+
+
+@gluon.jit
+def _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc, row, p0,
+                          HALF: gl.constexpr, STACKED: gl.constexpr):
+    """The state entering a chunk (its first row ``row`` of ``states`` viewed as rows of P) goes out through shared
+    memory as an asynchronous TMA store.  With one buffer the previous chunk's store must have finished reading it
+    (it had a whole step); with two, the store of two chunks back (STORE_BUFFERS - 1 groups may still be reading)."""
+    STORE_BUFFERS: gl.constexpr = out_lo_smem.type.shape[0]
+    out_lo = out_lo_smem.index(i % STORE_BUFFERS)
+    out_hi = out_hi_smem.index(i % STORE_BUFFERS)
+    tma.store_wait(STORE_BUFFERS - 1)
+    out_lo.store(state_lo.to(gl.bfloat16))
+    if not STACKED:
+        out_hi.store(state_hi.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(states_desc, [row, p0], out_lo)
+    if not STACKED:
+        tma.async_copy_shared_to_global(states_desc, [row + HALF, p0], out_hi)
+
+
+@gluon.jit
 def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap_scale_ptr,
               ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
               psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
@@ -118,7 +180,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
     # N = 64: the halves' 32 rows each are stacked in one [64, P tile] state (rows n, as in memory).
     STACKED: gl.constexpr = BLOCK_HALF < _STATE_ROWS
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
-    STORE_BUFFERS: gl.constexpr = out_lo_smem.type.shape[0]
+    # Two sets of update operands: a step's wgmma runs while the next chunk is rotated into the other set.
+    PIPELINED: gl.constexpr = a_lo_smem.type.shape[0] > 1
     if STACKED:
         # 32-column tiles: 4 columns (8 bytes) a thread, a warp's lanes over 4 rows, not one 2-byte column a lane.
         k_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
@@ -155,63 +218,71 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
     next_da_rev = gl.load(da_rev_ptr + disc + token)
     next_trap_scale = gl.load(trap_scale_ptr + disc + token)
     next_log_decay = gl.load(da_cs_ptr + disc + C - 1)  # da_cs is chunk-local: its last value is the chunk's decay
-    for i in range(n_steps):
-        stage = i % NUM_BUFFERS
-        c = c_first + i
-        da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
-        ahead = disc + (i + 1) * C
-        more = i + 1 < n_steps
-        next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
-        next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
-        next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
-        if STORE_STATES:
-            # The state entering chunk c goes out through shared memory as an asynchronous TMA store.  With one
-            # buffer the previous chunk's store must have finished reading it (it had a whole step); with two, the
-            # store of two chunks back (STORE_BUFFERS - 1 groups may still be reading).
-            out_lo = out_lo_smem.index(i % STORE_BUFFERS)
-            out_hi = out_hi_smem.index(i % STORE_BUFFERS)
-            tma.store_wait(STORE_BUFFERS - 1)
-            out_lo.store(state_lo.to(gl.bfloat16))
+    if PIPELINED:
+        # Chunk 0's operands before the loop (a segment of no chunks would wait for a stage the producer never
+        # fills); each step then stages chunk i + 1's while chunk i's wgmma runs.
+        decay = next_log_decay
+        if n_steps > 0:
+            decay = _stage_operands(0, 0, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
+                                    a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0), bias_lo_smem,
+                                    bias_hi_smem, psi_smem, rotated, next_log_decay, next_da_rev, next_trap_scale, C,
+                                    R, STACKED, ROTATION_DTYPE, k_layout, p_layout)
+        ahead = disc + C
+        next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
+        next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
+        next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=n_steps > 1, other=0.0)
+        for i in range(n_steps):
+            if STORE_STATES:
+                _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
+                                      (bh * NCH + c_first + i) * N + n0, p0, HALF, STACKED)
+            operands = i % 2
+            state_lo = warpgroup_mma(a_lo_smem.index(operands).permute((1, 0)), psiv_smem.index(operands),
+                                     state_lo * decay, is_async=True)
             if not STACKED:
-                out_hi.store(state_hi.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + n0, p0], out_lo)
-            if not STACKED:
-                tma.async_copy_shared_to_global(states_desc, [(bh * NCH + c) * N + HALF + n0, p0], out_hi)
-
-        mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
-        decay = gl.exp(log_decay)
-        weight = gl.exp(da_rev) * trap_scale
-        cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 1.0)
-        sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 0.0)
-        v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
-        k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
-        k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
-        for r in gl.static_range(R):
-            k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_lo_smem.index(r).load(
-                gl.SliceLayout(0, k_layout))[None, :]
-            k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_hi_smem.index(r).load(
-                gl.SliceLayout(0, k_layout))[None, :]
+                state_hi = warpgroup_mma(a_hi_smem.index(operands).permute((1, 0)), psiv_smem.index(operands),
+                                         state_hi * decay, is_async=True)
+            # The next chunk's operands go to the other set, whose last reader (step i - 1's wgmma) has been waited
+            # for; its weights were loaded a step ahead, and those of the chunk after it are loaded now.
+            da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
+            ahead = disc + (i + 2) * C
+            more = i + 2 < n_steps
+            next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
+            next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
+            next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
+            if i + 1 < n_steps:
+                decay = _stage_operands(i + 1, (i + 1) % NUM_BUFFERS, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs,
+                                        ready, empty, a_lo_smem.index(1 - operands),
+                                        a_hi_smem.index(1 - operands), psiv_smem.index(1 - operands), bias_lo_smem,
+                                        bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R, STACKED,
+                                        ROTATION_DTYPE, k_layout, p_layout)
             if STACKED:
-                # One [C, 64] row block [lo | hi] (joined in registers: one store, where two column slices took a
-                # barrier more a rank).
-                pairs = gl.join((cos * k_lo - sin * k_hi).to(gl.bfloat16), (sin * k_lo + cos * k_hi).to(gl.bfloat16))
-                a_lo_smem.slice(r * C, C).store(gl.reshape(gl.permute(pairs, (0, 2, 1)), [C, 2 * BLOCK_HALF]))
+                state_lo = warpgroup_mma_wait(0, deps=(state_lo,))
             else:
-                a_lo_smem.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
-                a_hi_smem.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
-            psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))
-            psiv_smem.slice(r * C, C).store((v_weighted * psi[None, :]).to(gl.bfloat16))
-        # Orders this partition's shared-memory reads and writes before the producer's next TMA into the stage and
-        # before the wgmma reads of the operands.
-        fence_async_shared()
-        mbarrier.arrive(empty.index(stage), count=1)
-        state_lo = warpgroup_mma(a_lo_smem.permute((1, 0)), psiv_smem, state_lo * decay, is_async=True)
-        if STACKED:
-            state_lo = warpgroup_mma_wait(0, deps=(state_lo,))
-        else:
-            state_hi = warpgroup_mma(a_hi_smem.permute((1, 0)), psiv_smem, state_hi * decay, is_async=True)
-            state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
+                state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
+    else:
+        for i in range(n_steps):
+            stage = i % NUM_BUFFERS
+            da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
+            ahead = disc + (i + 1) * C
+            more = i + 1 < n_steps
+            next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
+            next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
+            next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
+            if STORE_STATES:
+                _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
+                                      (bh * NCH + c_first + i) * N + n0, p0, HALF, STACKED)
+            decay = _stage_operands(i, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
+                                    a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0), bias_lo_smem,
+                                    bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R, STACKED,
+                                    ROTATION_DTYPE, k_layout, p_layout)
+            state_lo = warpgroup_mma(a_lo_smem.index(0).permute((1, 0)), psiv_smem.index(0), state_lo * decay,
+                                     is_async=True)
+            if STACKED:
+                state_lo = warpgroup_mma_wait(0, deps=(state_lo,))
+            else:
+                state_hi = warpgroup_mma(a_hi_smem.index(0).permute((1, 0)), psiv_smem.index(0), state_hi * decay,
+                                         is_async=True)
+                state_lo, state_hi = warpgroup_mma_wait(0, deps=(state_lo, state_hi))
     if STORE_STATES:
         tma.store_wait(0)
     if STORE_END:
@@ -231,7 +302,7 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                        num_warps: gl.constexpr, GDC: gl.constexpr = False, HALF_ROTATION: gl.constexpr = False,
-                       STORE_BUFFERS: gl.constexpr = 1):
+                       STORE_BUFFERS: gl.constexpr = 1, OPERAND_BUFFERS: gl.constexpr = 1):
     """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
     scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
     (``chunk_state.py``)."""
@@ -262,15 +333,16 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    # The update's operands, rows (rank, token): A = k~ per half (read transposed), B = the weighted psiv.
+    # The update's operands, rows (rank, token): A = k~ per half (read transposed), B = the weighted psiv; one set,
+    # or two (OPERAND_BUFFERS) so that a step's wgmma overlaps the next chunk's rotation.
     # Stacked (N = 64), one [R * C, 64] operand holds both halves side by side; a_hi_smem and out_hi_smem are not used.
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R * C, _STATE_ROWS], gl.bfloat16)
-    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, _STATE_ROWS], a_layout)
+    a_lo_smem = gl.allocate_shared_memory(gl.bfloat16, [OPERAND_BUFFERS, R * C, _STATE_ROWS], a_layout)
     if STACKED:
         a_hi_smem = a_lo_smem
     else:
-        a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, _STATE_ROWS], a_layout)
-    psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [R * C, BLOCK_P],
+        a_hi_smem = gl.allocate_shared_memory(gl.bfloat16, [OPERAND_BUFFERS, R * C, _STATE_ROWS], a_layout)
+    psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [OPERAND_BUFFERS, R * C, BLOCK_P],
                                           gl.NVMMASharedLayout.get_default_for([R * C, BLOCK_P], gl.bfloat16))
     # STORE_BUFFERS state-store buffers a half (two where shared memory allows: no wait on the last step's store).
     store_shape: gl.constexpr = [STORE_BUFFERS] + states_desc.block_type.shape
@@ -393,7 +465,7 @@ ROLES = {
 
 def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
             chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, max_registers=0,
-            rotation_math_dtype=tl.float32, store_buffers=None, **_unused):
+            rotation_math_dtype=tl.float32, store_buffers=None, operand_buffers=None, **_unused):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = cos_angles.shape[3]
@@ -401,9 +473,12 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
     num_buffers = num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states)
+    if operand_buffers is None:
+        operand_buffers = update_operand_buffers(C=chunk_size, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
+                                                 store_states=store_states)
     if store_buffers is None:
         store_buffers = state_store_buffers(C=chunk_size, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
-                                            store_states=store_states)
+                                            store_states=store_states, operand_buffers=operand_buffers)
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
                         chunk_size=chunk_size, block_p=block_p)
     # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
@@ -415,7 +490,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            da_cs_rev, trap_scale, da_cs, k_bias, mimo_v, seg_state,
            S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
-           NUM_BUFFERS=num_buffers, STORE_BUFFERS=store_buffers,
+           NUM_BUFFERS=num_buffers, STORE_BUFFERS=store_buffers, OPERAND_BUFFERS=operand_buffers,
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
            maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS,
@@ -466,15 +541,16 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
             n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
 
 
-def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_buffers=1):
+def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_buffers=1, operand_buffers=1):
     """The kernel's shared memory, the same for any N of 128 or more (a program holds a [2 x 64, P tile] piece; at
     N = 64 [2 x 32, P tile], half the k, table, operand and store bytes): the ring's stages plus the update's
-    operands, the bias / Psi rows (the bias counted in fp32: under the bf16 rotation it takes half) and, where it
-    stores states, the state-store buffers (the compiler adds barriers and alignment: 236-268 bytes more on the
-    official shapes)."""
+    operands (one set or two), the bias / Psi rows (the bias counted in fp32: under the bf16 rotation it takes half)
+    and, where it stores states, the state-store buffers (the compiler adds barriers and alignment: 236-268 bytes more
+    on the official shapes)."""
     half = half_columns(N)
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
-    fixed = 2 * R * C * half * 2 + R * C * block_p * 2 + 2 * R * half * 4 + R * block_p * 4
+    operands = 2 * R * C * half * 2 + R * C * block_p * 2
+    fixed = operand_buffers * operands + 2 * R * half * 4 + R * block_p * 4
     return fixed + num_buffers * stage + (store_buffers * 2 * half * block_p * 2 if store_states else 0)
 
 
@@ -485,10 +561,21 @@ def ring_depth(*, C, R, block_p, N=128, store_states=True):
                                                                 store_states=store_states) + 768 <= SMEM_LIMIT])
 
 
-def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True, most=None):
+def update_operand_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True, most=None):
+    """Sets of update operands: two where ``most`` (default ``MAX_OPERAND_BUFFERS``) allows them and they fit beside
+    a ring of ``num_buffers`` stages (at least two: the ring keeps its depth first) and one state-store buffer within
+    the 99 KB bound (with ``ring_depth``'s 768 bytes of slack), else one."""
+    most = MAX_OPERAND_BUFFERS if most is None else most
+    two_fit = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_states=store_states,
+                           operand_buffers=2) + 768 <= SMEM_LIMIT
+    return 2 if most >= 2 and num_buffers >= 2 and two_fit else 1
+
+
+def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True, most=None, operand_buffers=1):
     """State-store buffers a half: two where ``most`` (default ``MAX_STATE_STORE_BUFFERS``) allows them and they fit
-    beside the ring of ``num_buffers`` stages within the 99 KB bound (with ``ring_depth``'s 768 bytes of slack; the
-    ring keeps its depth first), else one."""
+    beside the ring of ``num_buffers`` stages and the ``operand_buffers`` sets of operands within the 99 KB bound
+    (with ``ring_depth``'s 768 bytes of slack; the ring and then the operands keep theirs first), else one."""
     most = MAX_STATE_STORE_BUFFERS if most is None else most
-    two_fit = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=2) + 768 <= SMEM_LIMIT
+    two_fit = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=2,
+                           operand_buffers=operand_buffers) + 768 <= SMEM_LIMIT
     return 2 if store_states and most >= 2 and two_fit else 1
