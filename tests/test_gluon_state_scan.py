@@ -92,6 +92,35 @@ def test_state_store_buffers_take_what_fits_beside_the_ring(case, store_buffers)
         assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_buffers=2) > limit
 
 
+@pytest.mark.parametrize("case, operand_buffers", [("N64_P64_R4_C16", 2), ("N64_P128_R4_C16", 2),
+                                                    ("N256_P64_R4_C8", 2), ("N128_P128_R4_C8", 2),
+                                                    ("N128_P64_R4_C16", 1), ("N128_P32_R4_C16", 1),
+                                                    ("N128_P64_R8_C8", 1), ("N128_P64_R2_C32", 1),
+                                                    ("N128_P64_R1_C64", 1)])
+def test_update_operand_buffers_take_what_fits_beside_the_ring(case, operand_buffers):
+    """Two sets of update operands where they fit beside a ring of at least two stages (kept at its depth) within
+    99 KB, in every role; the state-store buffers then take what is left.  The default allows one
+    (MAX_OPERAND_BUFFERS)."""
+    shape = gluon_scan_probe.parse_case(case)
+    tile = dict(C=shape["chunk_size"], R=shape["R"], block_p=min(shape["P"], 64), N=shape["N"])
+    limit = gluon_state_scan.SMEM_LIMIT - 768
+    for store_states in (True, False):
+        depth = gluon_state_scan.ring_depth(**tile, store_states=store_states)
+        chosen = gluon_state_scan.update_operand_buffers(**tile, num_buffers=depth, store_states=store_states, most=2)
+        assert chosen == (operand_buffers if store_states else max(chosen, operand_buffers))
+        assert gluon_state_scan.update_operand_buffers(**tile, num_buffers=depth, store_states=store_states) == min(
+            chosen, gluon_state_scan.MAX_OPERAND_BUFFERS)
+        stores = gluon_state_scan.state_store_buffers(**tile, num_buffers=depth, store_states=store_states, most=2,
+                                                      operand_buffers=chosen)
+        assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_states=store_states,
+                                             operand_buffers=chosen, store_buffers=stores) <= limit
+        if chosen == 1 and depth >= 2:
+            assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_states=store_states,
+                                                 operand_buffers=2) > limit
+    # Two operand sets hold twice the operands' bytes: N64_P64_R4_C16's 16 KB.
+    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64, operand_buffers=2) == 79_872
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(N=96), "N = 64 or a multiple of 128"),
     (dict(N=32), "N = 64 or a multiple of 128"),
