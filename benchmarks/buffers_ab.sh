@@ -13,7 +13,7 @@ rm -rf ab_ops && mkdir ab_ops && cp -r mamba3_mimo ab_ops/
 sed -i 's/^MAX_OPERAND_BUFFERS = 1$/MAX_OPERAND_BUFFERS = 2/' ab_ops/$scan $scan
 sed -i 's/^MAX_STATE_STORE_BUFFERS = 1$/MAX_STATE_STORE_BUFFERS = 2/' $scan
 grep -H "^MAX_.*_BUFFERS" ab_ops/$scan $scan
-PYTHONPATH=$PWD timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:warnings -rf tests/test_gluon_state_scan.py 2>&1 \
+MAMBA3_MIMO_CHECK_PLAN=1 PYTHONPATH=$PWD timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:warnings -rf tests/test_gluon_state_scan.py 2>&1 \
   | tee "$OUT/gluon_tests_full.log" | tail -n 8
 OUT="$OUT" TREES="base ops new" CASES="${CASES:-N64_P64_R4_C16 N64_P128_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8}" \
   RUN_TIMEOUT=${RUN_TIMEOUT:-100} timeout ${AB_TIMEOUT:-340} bash benchmarks/ab_trees.sh
