@@ -70,7 +70,10 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
     assert gluon_state_scan.ring_depth(C=8, R=4, block_p=64) == 3
     # N = 64 holds half the bytes a stage and in the operands: N64_P64_R4_C16 takes 3 (63.5 KB).
     assert gluon_state_scan.ring_depth(C=16, R=4, block_p=64, N=64) == 3
-    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64) == 63_488
+    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64, ring_weights=False) == 63_488
+    # The weight rows of a ring of 3 (RING_WEIGHTS): 4 slots of da_rev, trap_scale (16 fp32 each) and the decay.
+    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64, ring_weights=True) == (
+        63_488 + 4 * (2 * 16 + 1) * 4)
 
 
 @pytest.mark.parametrize("case, store_buffers", [("N64_P64_R4_C16", 2), ("N64_P128_R4_C16", 2), ("N256_P64_R4_C8", 2),
@@ -118,7 +121,8 @@ def test_update_operand_buffers_take_what_fits_beside_the_ring(case, operand_buf
             assert gluon_state_scan.shared_bytes(**tile, num_buffers=depth, store_states=store_states,
                                                  operand_buffers=2) > limit
     # Two operand sets hold twice the operands' bytes: N64_P64_R4_C16's 16 KB.
-    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64, operand_buffers=2) == 79_872
+    assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64, operand_buffers=2,
+                                         ring_weights=False) == 79_872
 
 
 @pytest.mark.parametrize("change, message", [

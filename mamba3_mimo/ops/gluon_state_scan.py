@@ -33,6 +33,7 @@ import triton.language as tl
 from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -65,6 +66,9 @@ MAX_STATE_STORE_BUFFERS = 1
 # the next chunk into the other set: where they fit (N = 64, C = 8 at 64-wide P tiles) the scan takes 1-4% less
 # (H100, section 48: N64_P128 scan 92 -> 89 us, N128_P128 264 -> 261), the calls 0-0.7%.
 MAX_OPERAND_BUFFERS = 2
+# The chunk's per-token weights (exp(da_rev), trap_scale) and decay reach the consumer in the ring, copied by the
+# producer with cp.async, rather than loaded a step ahead by the consumer, whose loop waited on them (section 48).
+RING_WEIGHTS = False
 # Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
 # more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
 MAX_REGISTERS = 128
@@ -84,9 +88,11 @@ def _state_layout(block_p, num_warps):
 
 
 @gluon.jit
-def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs,
-              ready, empty, b, h, g, bh, t_first, n0, p0, S, n_steps,
-              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, GDC: gl.constexpr):
+def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs,
+              decay_bufs, da_rev_ptr, trap_scale_ptr, da_cs_ptr, ready, empty, b, h, g, bh, t_first, n0, p0, S,
+              n_steps,
+              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, GDC: gl.constexpr,
+              RING_WEIGHTS: gl.constexpr):
     # The producer warp's TMA loads read the previous kernel's tables: it waits for that grid itself rather than
     # relying on how the partitions are entered.
     wait_for_previous_grid(GDC)
@@ -94,12 +100,23 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
                                 + v_desc.block_type.nbytes)
+    token = gl.arange(0, C, gl.BlockedLayout([1], [32], [1], [0]))
+    last = gl.arange(0, 1, gl.BlockedLayout([1], [32], [1], [0]))
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         # A fresh mbarrier counts as having completed phase 1, so the first pass through the ring does not wait.
         mbarrier.wait(empty.index(stage), ((i // NUM_BUFFERS) & 1) ^ 1)
         row = b * S + t_first + i * C
         bar = ready.index(stage)
+        if RING_WEIGHTS:
+            # The chunk's rows of da_rev and trap_scale and its decay (fp32, [B * H, S]; da_cs is chunk-local, its
+            # last value the chunk's decay); the stage's barrier also waits for these copies (each thread's arrive,
+            # counted in, fires once its copies have landed).
+            weights = bh * S + t_first + i * C
+            async_copy.async_copy_global_to_shared(weight_bufs.index(2 * stage), da_rev_ptr + weights + token)
+            async_copy.async_copy_global_to_shared(weight_bufs.index(2 * stage + 1), trap_scale_ptr + weights + token)
+            async_copy.async_copy_global_to_shared(decay_bufs.index(stage), da_cs_ptr + weights + C - 1 + last)
+            async_copy.mbarrier_arrive(bar)
         mbarrier.expect(bar, STEP_BYTES)
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N + n0], bar, k_lo_bufs.index(stage))
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF + n0], bar, k_hi_bufs.index(stage))
@@ -109,16 +126,23 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs
 
 
 @gluon.jit
-def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, a_lo, a_hi, psiv,
-                    bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C: gl.constexpr,
-                    R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr, k_layout: gl.constexpr,
-                    p_layout: gl.constexpr):
+def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, ready,
+                    empty, a_lo, a_hi, psiv, bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev,
+                    trap_scale, C: gl.constexpr, R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr,
+                    k_layout: gl.constexpr, p_layout: gl.constexpr, RING_WEIGHTS: gl.constexpr):
     """Step ``step``'s update operands from its ring stage (``stage``, step % ring depth): k~ (a_lo / a_hi, rows
     (rank, token)) and the weighted psiv; the stage is then released to the producer.  Returns the chunk's decay,
-    exp(``log_decay``)."""
+    exp(``log_decay``).  With ``RING_WEIGHTS`` the chunk's weights and decay come from the stage's weight slot
+    (``log_decay``, ``da_rev`` and ``trap_scale`` are not used)."""
     BLOCK_HALF: gl.constexpr = k_lo_bufs.type.shape[3]
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     mbarrier.wait(ready.index(stage), (step // NUM_BUFFERS) & 1)
+    if RING_WEIGHTS:
+        token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
+        da_rev = weight_bufs.index(2 * stage).load(token_layout)
+        trap_scale = weight_bufs.index(2 * stage + 1).load(token_layout)
+        # A one-element sum: the scalar out of its slot, no data leaves a thread.
+        log_decay = gl.sum(decay_bufs.index(stage).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
     decay = gl.exp(log_decay)
     weight = gl.exp(da_rev) * trap_scale
     cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 1.0)
@@ -168,13 +192,13 @@ def _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, state
 
 
 @gluon.jit
-def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap_scale_ptr,
+def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, da_rev_ptr, trap_scale_ptr,
               ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem,
               psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
               seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
-              BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr,
-              STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
-              num_warps: gl.constexpr):
+              BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr,
+              BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr, RING_WEIGHTS: gl.constexpr, num_warps:
+              gl.constexpr):
     HALF: gl.constexpr = N // 2
     # k's bias add and rotation in bf16 (two elements a register, no conversion before the operand store) or fp32:
     # the production scans' rotation_math_dtype.
@@ -218,22 +242,27 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
     # (1-D TMA boxes of them would land at shared addresses short of TMA's 128-byte alignment).
     token = gl.arange(0, C, token_layout)
     disc = bh * S + c_first * C
-    next_da_rev = gl.load(da_rev_ptr + disc + token)
-    next_trap_scale = gl.load(trap_scale_ptr + disc + token)
-    next_log_decay = gl.load(da_cs_ptr + disc + C - 1)  # da_cs is chunk-local: its last value is the chunk's decay
+    if RING_WEIGHTS:
+        # The weights arrive in each stage's weight slot (``_stage_operands``): nothing to load here.
+        next_da_rev, next_trap_scale, next_log_decay = 0.0, 0.0, gl.to_tensor(0.0)
+    else:
+        next_da_rev = gl.load(da_rev_ptr + disc + token)
+        next_trap_scale = gl.load(trap_scale_ptr + disc + token)
+        next_log_decay = gl.load(da_cs_ptr + disc + C - 1)  # da_cs is chunk-local: its last value is the chunk's decay
     if PIPELINED:
         # Chunk 0's operands before the loop (a segment of no chunks would wait for a stage the producer never
         # fills); each step then stages chunk i + 1's while chunk i's wgmma runs.
         decay = next_log_decay
         if n_steps > 0:
-            decay = _stage_operands(0, 0, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
-                                    a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0), bias_lo_smem,
-                                    bias_hi_smem, psi_smem, rotated, next_log_decay, next_da_rev, next_trap_scale, C,
-                                    R, STACKED, ROTATION_DTYPE, k_layout, p_layout)
-        ahead = disc + C
-        next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
-        next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
-        next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=n_steps > 1, other=0.0)
+            decay = _stage_operands(0, 0, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs,
+                                    ready, empty, a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0),
+                                    bias_lo_smem, bias_hi_smem, psi_smem, rotated, next_log_decay, next_da_rev,
+                                    next_trap_scale, C, R, STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
+        if not RING_WEIGHTS:
+            ahead = disc + C
+            next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
+            next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
+            next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=n_steps > 1, other=0.0)
         for i in range(n_steps):
             if STORE_STATES:
                 _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
@@ -245,19 +274,20 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
                 state_hi = warpgroup_mma(a_hi_smem.index(operands).permute((1, 0)), psiv_smem.index(operands),
                                          state_hi * decay, is_async=True)
             # The next chunk's operands go to the other set, whose last reader (step i - 1's wgmma) has been waited
-            # for; its weights were loaded a step ahead, and those of the chunk after it are loaded now.
+            # for; its weights were loaded a step ahead (or come in its stage), those of the chunk after it now.
             da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
-            ahead = disc + (i + 2) * C
-            more = i + 2 < n_steps
-            next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
-            next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
-            next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
+            if not RING_WEIGHTS:
+                ahead = disc + (i + 2) * C
+                more = i + 2 < n_steps
+                next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
+                next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
+                next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
             if i + 1 < n_steps:
                 decay = _stage_operands(i + 1, (i + 1) % NUM_BUFFERS, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs,
-                                        ready, empty, a_lo_smem.index(1 - operands),
+                                        weight_bufs, decay_bufs, ready, empty, a_lo_smem.index(1 - operands),
                                         a_hi_smem.index(1 - operands), psiv_smem.index(1 - operands), bias_lo_smem,
                                         bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R, STACKED,
-                                        ROTATION_DTYPE, k_layout, p_layout)
+                                        ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
             if STACKED:
                 state_lo = warpgroup_mma_wait(0, deps=(state_lo,))
             else:
@@ -266,18 +296,19 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap
         for i in range(n_steps):
             stage = i % NUM_BUFFERS
             da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
-            ahead = disc + (i + 1) * C
-            more = i + 1 < n_steps
-            next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
-            next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
-            next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
+            if not RING_WEIGHTS:
+                ahead = disc + (i + 1) * C
+                more = i + 1 < n_steps
+                next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
+                next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
+                next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
             if STORE_STATES:
                 _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
                                       (bh * NCH + c_first + i) * N + n0, p0, HALF, STACKED)
-            decay = _stage_operands(i, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
-                                    a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0), bias_lo_smem,
-                                    bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R, STACKED,
-                                    ROTATION_DTYPE, k_layout, p_layout)
+            decay = _stage_operands(i, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs,
+                                    ready, empty, a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0),
+                                    bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R,
+                                    STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
             state_lo = warpgroup_mma(a_lo_smem.index(0).permute((1, 0)), psiv_smem.index(0), state_lo * decay,
                                      is_async=True)
             if STACKED:
@@ -305,7 +336,8 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                        BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, STORE_STATES: gl.constexpr,
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                        num_warps: gl.constexpr, GDC: gl.constexpr = False, HALF_ROTATION: gl.constexpr = False,
-                       STORE_BUFFERS: gl.constexpr = 1, OPERAND_BUFFERS: gl.constexpr = 1):
+                       STORE_BUFFERS: gl.constexpr = 1, OPERAND_BUFFERS: gl.constexpr = 1,
+                       RING_WEIGHTS: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
     scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
     (``chunk_state.py``)."""
@@ -330,6 +362,13 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
     cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
     sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape, sin_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
+    # A stage's weight rows (RING_WEIGHTS): the chunk's da_rev and trap_scale, and its decay (da_cs's last value).
+    # Shared-memory shapes are powers of two: 4 slots for a ring of 3.
+    WEIGHT_SLOTS: gl.constexpr = 4 if NUM_BUFFERS > 2 else NUM_BUFFERS
+    # Rows 2 * stage and 2 * stage + 1 (rank-1 layouts: a row is indexed out as a vector, as the bias rows below).
+    weight_bufs = gl.allocate_shared_memory(gl.float32, [2 * WEIGHT_SLOTS, C if RING_WEIGHTS else 1],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    decay_bufs = gl.allocate_shared_memory(gl.float32, [WEIGHT_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
@@ -373,13 +412,14 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
 
     gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
     gl.warp_specialize([
-        (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, da_rev_ptr, trap_scale_ptr, ready, empty,
-                     a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem, bias_lo_smem, bias_hi_smem, psi_smem,
-                     states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
-                     seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES, FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS,
-                     HALF_ROTATION, num_warps)),
-        (_producer, (k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready,
-                     empty, b, h, g, bh, c_first * C, n0, p0, S, n_steps, C, N, P, RD, GDC)),
+        (_consumer, (k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, da_rev_ptr,
+                     trap_scale_ptr, ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem,
+                     bias_lo_smem, bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0,
+                     S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES,
+                     FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS, HALF_ROTATION, RING_WEIGHTS, num_warps)),
+        (_producer, (k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs,
+                     decay_bufs, da_rev_ptr, trap_scale_ptr, da_cs_ptr, ready, empty, b, h, g, bh, c_first * C, n0, p0,
+                     S, n_steps, C, N, P, RD, GDC, RING_WEIGHTS)),
     ], [1], [PRODUCER_REGISTERS])
 
 
@@ -494,6 +534,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
            NUM_BUFFERS=num_buffers, STORE_BUFFERS=store_buffers, OPERAND_BUFFERS=operand_buffers,
+           RING_WEIGHTS=RING_WEIGHTS,
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
            maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS,
@@ -544,16 +585,20 @@ def gluon_chunk_states(*, seg_state, states, n_segments, num_buffers=None, **sca
             n_segments=n_segments, num_buffers=num_buffers, segments_launched=n_segments, **scan)
 
 
-def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_buffers=1, operand_buffers=1):
+def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_buffers=1, operand_buffers=1,
+                 ring_weights=None):
     """The kernel's shared memory, the same for any N of 128 or more (a program holds a [2 x 64, P tile] piece; at
     N = 64 [2 x 32, P tile], half the k, table, operand and store bytes): the ring's stages plus the update's
-    operands (one set or two), the bias / Psi rows (the bias counted in fp32: under the bf16 rotation it takes half)
-    and, where it stores states, the state-store buffers (the compiler adds barriers and alignment: 236-268 bytes more
-    on the official shapes)."""
+    operands (one set or two), the bias / Psi rows (the bias counted in fp32: under the bf16 rotation it takes half),
+    the stages' weight rows (``ring_weights``, default ``RING_WEIGHTS``) and, where it stores states, the state-store
+    buffers (the compiler adds barriers and alignment: 236-268 bytes more on the official shapes)."""
     half = half_columns(N)
     stage = 2 * R * C * half * 2 + 2 * C * half * 2 + C * block_p * 2
     operands = 2 * R * C * half * 2 + R * C * block_p * 2
     fixed = operand_buffers * operands + 2 * R * half * 4 + R * block_p * 4
+    if RING_WEIGHTS if ring_weights is None else ring_weights:
+        slots = 4 if num_buffers > 2 else num_buffers  # a power of two
+        fixed += slots * (2 * C + 1) * 4
     return fixed + num_buffers * stage + (store_buffers * 2 * half * block_p * 2 if store_states else 0)
 
 
