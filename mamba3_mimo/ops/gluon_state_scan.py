@@ -126,6 +126,21 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs
 
 
 @gluon.jit
+def _chunk_weights(da_rev_ptr, trap_scale_ptr, da_cs_ptr, at, token, valid, C: gl.constexpr):
+    """A chunk's per-token da_rev and trap_scale and its log decay (da_cs is chunk-local: its last value), from
+    position ``at`` of the [B * H, S] tables; zeros where ``valid`` is false (None: always valid)."""
+    if valid is None:
+        da_rev = gl.load(da_rev_ptr + at + token)
+        trap_scale = gl.load(trap_scale_ptr + at + token)
+        log_decay = gl.load(da_cs_ptr + at + C - 1)
+    else:
+        da_rev = gl.load(da_rev_ptr + at + token, mask=valid & (token < C), other=0.0)
+        trap_scale = gl.load(trap_scale_ptr + at + token, mask=valid & (token < C), other=0.0)
+        log_decay = gl.load(da_cs_ptr + at + C - 1, mask=valid, other=0.0)
+    return da_rev, trap_scale, log_decay
+
+
+@gluon.jit
 def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, ready,
                     empty, a_lo, a_hi, psiv, bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev,
                     trap_scale, C: gl.constexpr, R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr,
@@ -239,16 +254,16 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
             if not STACKED:
                 state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
     # The per-token weights and the chunk decay are a few floats a chunk: loaded one chunk ahead from global memory
-    # (1-D TMA boxes of them would land at shared addresses short of TMA's 128-byte alignment).
+    # (1-D TMA boxes of them would land at shared addresses short of TMA's 128-byte alignment), or, with
+    # RING_WEIGHTS, copied into the ring by the producer.
     token = gl.arange(0, C, token_layout)
     disc = bh * S + c_first * C
     if RING_WEIGHTS:
         # The weights arrive in each stage's weight slot (``_stage_operands``): nothing to load here.
         next_da_rev, next_trap_scale, next_log_decay = 0.0, 0.0, gl.to_tensor(0.0)
     else:
-        next_da_rev = gl.load(da_rev_ptr + disc + token)
-        next_trap_scale = gl.load(trap_scale_ptr + disc + token)
-        next_log_decay = gl.load(da_cs_ptr + disc + C - 1)  # da_cs is chunk-local: its last value is the chunk's decay
+        next_da_rev, next_trap_scale, next_log_decay = _chunk_weights(da_rev_ptr, trap_scale_ptr, da_cs_ptr, disc,
+                                                                      token, None, C)
     if PIPELINED:
         # Chunk 0's operands before the loop (a segment of no chunks would wait for a stage the producer never
         # fills); each step then stages chunk i + 1's while chunk i's wgmma runs.
@@ -259,10 +274,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
                                     bias_lo_smem, bias_hi_smem, psi_smem, rotated, next_log_decay, next_da_rev,
                                     next_trap_scale, C, R, STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
         if not RING_WEIGHTS:
-            ahead = disc + C
-            next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
-            next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=(n_steps > 1) & (token < C), other=0.0)
-            next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=n_steps > 1, other=0.0)
+            next_da_rev, next_trap_scale, next_log_decay = _chunk_weights(da_rev_ptr, trap_scale_ptr, da_cs_ptr,
+                                                                          disc + C, token, n_steps > 1, C)
         for i in range(n_steps):
             if STORE_STATES:
                 _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
@@ -277,11 +290,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
             # for; its weights were loaded a step ahead (or come in its stage), those of the chunk after it now.
             da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
             if not RING_WEIGHTS:
-                ahead = disc + (i + 2) * C
-                more = i + 2 < n_steps
-                next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
-                next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
-                next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
+                next_da_rev, next_trap_scale, next_log_decay = _chunk_weights(
+                    da_rev_ptr, trap_scale_ptr, da_cs_ptr, disc + (i + 2) * C, token, i + 2 < n_steps, C)
             if i + 1 < n_steps:
                 decay = _stage_operands(i + 1, (i + 1) % NUM_BUFFERS, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs,
                                         weight_bufs, decay_bufs, ready, empty, a_lo_smem.index(1 - operands),
@@ -297,11 +307,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
             stage = i % NUM_BUFFERS
             da_rev, trap_scale, log_decay = next_da_rev, next_trap_scale, next_log_decay
             if not RING_WEIGHTS:
-                ahead = disc + (i + 1) * C
-                more = i + 1 < n_steps
-                next_da_rev = gl.load(da_rev_ptr + ahead + token, mask=more & (token < C), other=0.0)
-                next_trap_scale = gl.load(trap_scale_ptr + ahead + token, mask=more & (token < C), other=0.0)
-                next_log_decay = gl.load(da_cs_ptr + ahead + C - 1, mask=more, other=0.0)
+                next_da_rev, next_trap_scale, next_log_decay = _chunk_weights(
+                    da_rev_ptr, trap_scale_ptr, da_cs_ptr, disc + (i + 1) * C, token, i + 1 < n_steps, C)
             if STORE_STATES:
                 _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
                                       (bh * NCH + c_first + i) * N + n0, p0, HALF, STACKED)
