@@ -66,8 +66,9 @@ MAX_STATE_STORE_BUFFERS = 1
 # the next chunk into the other set: where they fit (N = 64, C = 8 at 64-wide P tiles) the scan takes 1-4% less
 # (H100, section 48: N64_P128 scan 92 -> 89 us, N128_P128 264 -> 261), the calls 0-0.7%.
 MAX_OPERAND_BUFFERS = 2
-# The chunk's per-token weights (exp(da_rev), trap_scale) and decay reach the consumer in the ring, copied by the
-# producer with cp.async, rather than loaded a step ahead by the consumer, whose loop waited on them (section 48).
+# A chunk's per-token da_rev and trap_scale and its decay reach the consumer in the ring, copied by the producer with
+# cp.async, rather than loaded a step ahead by the consumer, whose loop waits on those loads (14% of its stalls at
+# N64_P64, section 48).  Built and CPU-tested, not yet timed or GPU-tested, so off.
 RING_WEIGHTS = False
 # Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
 # more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
@@ -90,8 +91,7 @@ def _state_layout(block_p, num_warps):
 @gluon.jit
 def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs,
               decay_bufs, da_rev_ptr, trap_scale_ptr, da_cs_ptr, ready, empty, b, h, g, bh, t_first, n0, p0, S,
-              n_steps,
-              C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, GDC: gl.constexpr,
+              n_steps, C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, GDC: gl.constexpr,
               RING_WEIGHTS: gl.constexpr):
     # The producer warp's TMA loads read the previous kernel's tables: it waits for that grid itself rather than
     # relying on how the partitions are entered.
