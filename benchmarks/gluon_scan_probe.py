@@ -38,16 +38,14 @@ from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
     ROLES,
     STATE_ROWS,
     _gluon_scan_kernel,
+    buffer_plan,
     check_shape,
     descriptors,
     gluon_chunk_local_states,
     gluon_chunk_states,
     gluon_segment_end_states,
     half_columns,
-    ring_depth,
     shared_bytes,
-    state_store_buffers,
-    update_operand_buffers,
 )
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
 from mamba3_mimo.ops.production import choose_config  # noqa: E402
@@ -68,13 +66,9 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     shape = parse_case(case)
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     block_p = block_p or min(P, 64)
-    num_buffers = num_buffers or ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=ROLES[role][0])
-    if operand_buffers is None:
-        operand_buffers = update_operand_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
-                                                 store_states=ROLES[role][0])
-    if store_buffers is None:
-        store_buffers = state_store_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
-                                            store_states=ROLES[role][0], operand_buffers=operand_buffers)
+    num_buffers, operand_buffers, store_buffers = buffer_plan(
+        C=C, R=R, block_p=block_p, N=N, store_states=ROLES[role][0], num_buffers=num_buffers,
+        operand_buffers=operand_buffers, store_buffers=store_buffers)
     B, S, H, G = 4, 2048, 16, 1
     # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
@@ -402,11 +396,7 @@ def compile_records(case, roles, with_production=False):
     records = [dict(case=case, kernel="production storing scan", **production_summary(case))] if with_production else []
     for role in roles:
         store_states = ROLES[role][0]
-        depth = ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=store_states)
-        operands = update_operand_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=depth,
-                                          store_states=store_states)
-        stores = state_store_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=depth, store_states=store_states,
-                                     operand_buffers=operands)
+        depth, operands, stores = buffer_plan(C=C, R=R, block_p=block_p, N=N, store_states=store_states)
         model = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, N=N, store_states=store_states,
                              store_buffers=stores, operand_buffers=operands)
         records.append(dict(case=case, role=role, block_p=block_p, num_buffers=depth, store_buffers=stores,

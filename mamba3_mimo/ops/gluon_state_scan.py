@@ -522,13 +522,9 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
                 dtypes=(k.dtype, cos_angles.dtype, states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
-    num_buffers = num_buffers or ring_depth(C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states)
-    if operand_buffers is None:
-        operand_buffers = update_operand_buffers(C=chunk_size, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
-                                                 store_states=store_states)
-    if store_buffers is None:
-        store_buffers = state_store_buffers(C=chunk_size, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
-                                            store_states=store_states, operand_buffers=operand_buffers)
+    num_buffers, operand_buffers, store_buffers = buffer_plan(
+        C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states, num_buffers=num_buffers,
+        operand_buffers=operand_buffers, store_buffers=store_buffers)
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
                         chunk_size=chunk_size, block_p=block_p)
     # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
@@ -634,3 +630,18 @@ def state_store_buffers(*, C, R, block_p, N=128, num_buffers, store_states=True,
     two_fit = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=num_buffers, N=N, store_buffers=2,
                            operand_buffers=operand_buffers) + 768 <= SMEM_LIMIT
     return 2 if store_states and most >= 2 and two_fit else 1
+
+
+def buffer_plan(*, C, R, block_p, N=128, store_states=True, num_buffers=None, operand_buffers=None,
+                store_buffers=None):
+    """(ring stages, sets of update operands, state-store buffers) of a launch: each one given, else chosen in that
+    order, each taking what fits beside the ones before it (``ring_depth``, ``update_operand_buffers``,
+    ``state_store_buffers``)."""
+    num_buffers = num_buffers or ring_depth(C=C, R=R, block_p=block_p, N=N, store_states=store_states)
+    if operand_buffers is None:
+        operand_buffers = update_operand_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
+                                                 store_states=store_states)
+    if store_buffers is None:
+        store_buffers = state_store_buffers(C=C, R=R, block_p=block_p, N=N, num_buffers=num_buffers,
+                                            store_states=store_states, operand_buffers=operand_buffers)
+    return num_buffers, operand_buffers, store_buffers
