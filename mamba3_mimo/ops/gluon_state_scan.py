@@ -68,8 +68,9 @@ MAX_STATE_STORE_BUFFERS = 1
 MAX_OPERAND_BUFFERS = 2
 # A chunk's per-token da_rev and trap_scale and its decay reach the consumer in the ring, copied by the producer with
 # cp.async, rather than loaded a step ahead by the consumer, whose loop waits on those loads (14% of its stalls at
-# N64_P64, section 48).  Built and CPU-tested, not yet timed or GPU-tested, so off.
-RING_WEIGHTS = False
+# N64_P64, section 48).  H100, section 49: the scan 47 -> 43 us at N64_P64, 77 -> 72 at N128_P64_R4_C16, 136 -> 127
+# at R8_C8, 270 -> 256 at N256; the calls 1.2-1.8% less.
+RING_WEIGHTS = True
 # Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
 # more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
 MAX_REGISTERS = 128
