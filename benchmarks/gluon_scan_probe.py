@@ -34,7 +34,6 @@ from mamba3_mimo.inputs import make_inputs  # noqa: E402
 from mamba3_mimo.ops.chunk_state import chunk_local_states  # noqa: E402
 from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
     MAX_REGISTERS,
-    RING_WEIGHTS,
     ROLES,
     STATE_ROWS,
     _gluon_scan_kernel,
@@ -45,6 +44,7 @@ from mamba3_mimo.ops.gluon_state_scan import (  # noqa: E402
     gluon_chunk_states,
     gluon_segment_end_states,
     half_columns,
+    ring_weights,
     shared_bytes,
 )
 from mamba3_mimo.ops.host_utils import cdiv  # noqa: E402
@@ -52,13 +52,13 @@ from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False,
                      max_registers=MAX_REGISTERS, half_rotation=False, store_buffers=None, operand_buffers=None,
-                     ring_weights=None):
+                     weights_in_ring=None):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
     needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in);
     ``max_registers``: the launch's register cap; ``half_rotation``: k's bias add and rotation in bf16;
     ``store_buffers`` / ``operand_buffers``: state-store buffers and sets of update operands (default: the wrappers'
-    choices, ``state_store_buffers`` and ``update_operand_buffers``); ``ring_weights``: the weights through the ring
-    (default ``RING_WEIGHTS``)."""
+    choices, ``state_store_buffers`` and ``update_operand_buffers``); ``weights_in_ring``: the weights through the ring
+    (default: the wrappers' choice, ``ring_weights``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -87,7 +87,8 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
                      STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, GDC=gdc,
                      HALF_ROTATION=half_rotation, STORE_BUFFERS=store_buffers, OPERAND_BUFFERS=operand_buffers,
-                     RING_WEIGHTS=RING_WEIGHTS if ring_weights is None else ring_weights)
+                     RING_WEIGHTS=(ring_weights(C=C, N=N, P=P, block_p=block_p) if weights_in_ring is None
+                                   else weights_in_ring))
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)

@@ -59,6 +59,9 @@ def test_probe_compiles_warp_specialized_within_99_kb(compiled, case, role):
     # The update runs as wgmma; the consumer's chunk loop reads from global memory only the next chunk's few per-token
     # weights (its tiles arrive by TMA).
     assert found["HGMMA"] >= 4 and found["LDG"] <= shape["chunk_size"] + 1, found
+    # Where the weights ride the ring (``ring_weights``), the loop loads nothing from global memory.
+    if gluon_state_scan.ring_weights(C=shape["chunk_size"], N=shape["N"], P=shape["P"], block_p=found["block_p"]):
+        assert found["LDG"] == 0, found
     assert found["shared"] <= gluon_state_scan.SMEM_LIMIT, found
     assert 0 <= found["shared"] - found["shared_model"] <= 768, found
 
@@ -74,6 +77,21 @@ def test_ring_depth_takes_the_deepest_ring_that_fits():
     # The weight rows of a ring of 3 (RING_WEIGHTS): 4 slots of da_rev, trap_scale (16 fp32 each) and the decay.
     assert gluon_state_scan.shared_bytes(C=16, R=4, block_p=64, num_buffers=3, N=64, ring_weights=True) == (
         63_488 + 4 * (2 * 16 + 1) * 4)
+
+
+@pytest.mark.parametrize("case, in_ring", [
+    ("N64_P64_R4_C16", True), ("N128_P64_R4_C16", True), ("N128_P64_R8_C8", True), ("N256_P64_R4_C8", True),
+    ("N128_P32_R4_C16", True), ("N64_P128_R4_C16", True),
+    ("N128_P128_R4_C8", False), ("N128_P64_R2_C32", False), ("N128_P64_R1_C64", False)])
+def test_ring_weights_where_the_h100_timed_a_gain(case, in_ring, monkeypatch):
+    """Section 49's A/B per official shape: the weights ride the ring with chunks of at most 16 rows, except over
+    two P tiles at N = 128; ``RING_WEIGHTS = False`` turns them off everywhere."""
+    shape = gluon_scan_probe.parse_case(case)
+    block_p = choose_config(B=4, H=16, S=2048, num_sms=132, **shape).block_p
+    tile = dict(C=shape["chunk_size"], N=shape["N"], P=shape["P"], block_p=block_p)
+    assert gluon_state_scan.ring_weights(**tile) is in_ring
+    monkeypatch.setattr(gluon_state_scan, "RING_WEIGHTS", False)
+    assert gluon_state_scan.ring_weights(**tile) is False
 
 
 @pytest.mark.parametrize("case, store_buffers", [("N64_P64_R4_C16", 2), ("N64_P128_R4_C16", 2), ("N256_P64_R4_C8", 2),

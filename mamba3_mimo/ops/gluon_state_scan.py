@@ -68,8 +68,7 @@ MAX_STATE_STORE_BUFFERS = 1
 MAX_OPERAND_BUFFERS = 2
 # A chunk's per-token da_rev and trap_scale and its decay reach the consumer in the ring, copied by the producer with
 # cp.async, rather than loaded a step ahead by the consumer, whose loop waits on those loads (14% of its stalls at
-# N64_P64, section 48).  H100, section 49: the scan 47 -> 43 us at N64_P64, 77 -> 72 at N128_P64_R4_C16, 136 -> 127
-# at R8_C8, 270 -> 256 at N256; the calls 1.2-1.8% less.
+# N64_P64, section 48).  ``ring_weights`` says where a launch takes them; False turns them off everywhere.
 RING_WEIGHTS = True
 # Registers a thread at launch: 8 hardware warps at 128 fit two programs an SM; a lower cap (``max_registers``) fits
 # more where shared memory allows (64: four at N = 64 with 32-wide P tiles).
@@ -538,7 +537,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=RD, BLOCK_P=block_p,
            NUM_BUFFERS=num_buffers, STORE_BUFFERS=store_buffers, OPERAND_BUFFERS=operand_buffers,
-           RING_WEIGHTS=RING_WEIGHTS,
+           RING_WEIGHTS=ring_weights(C=chunk_size, N=N, P=P, block_p=block_p),
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
            maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS,
@@ -604,6 +603,15 @@ def shared_bytes(*, C, R, block_p, num_buffers, N=128, store_states=True, store_
         slots = 4 if num_buffers > 2 else num_buffers  # a power of two
         fixed += slots * (2 * C + 1) * 4
     return fixed + num_buffers * stage + (store_buffers * 2 * half * block_p * 2 if store_states else 0)
+
+
+def ring_weights(*, C, N, P, block_p):
+    """Whether a launch's chunk weights ride the ring (``RING_WEIGHTS`` allowing): with chunks of at most 16 rows,
+    except over several P tiles at N >= 128.  Timed per official shape on the H100 (section 49), the scan took
+    4-13% less there (N64_P64 47 -> 43 us, N128_P32 55 -> 48, R8_C8 136 -> 127, N256 270 -> 256) and more elsewhere:
+    N128_P128 262 -> 284, R2_C32 43 -> 45 and R1_C64 30 -> 32 (rings of 2 and 1 stage, chunks of 32 and 64 rows).
+    The weight rows count in ``shared_bytes`` either way, so the ring plan does not depend on this choice."""
+    return RING_WEIGHTS and C <= 16 and not (N >= 128 and P > block_p)
 
 
 def ring_depth(*, C, R, block_p, N=128, store_states=True):
