@@ -399,7 +399,8 @@ def compile_records(case, roles, with_production=False):
         store_states = ROLES[role][0]
         depth, operands, stores = buffer_plan(C=C, R=R, block_p=block_p, N=N, store_states=store_states)
         model = shared_bytes(C=C, R=R, block_p=block_p, num_buffers=depth, N=N, store_states=store_states,
-                             store_buffers=stores, operand_buffers=operands)
+                             store_buffers=stores, operand_buffers=operands,
+                             ring_weights=ring_weights(C=C, N=N, P=shape["P"], block_p=block_p))
         records.append(dict(case=case, role=role, block_p=block_p, num_buffers=depth, store_buffers=stores,
                             operand_buffers=operands,
                             shared_model=model,
