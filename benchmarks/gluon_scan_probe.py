@@ -52,13 +52,14 @@ from mamba3_mimo.ops.production import choose_config  # noqa: E402
 
 def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chunks_per_segment=32, gdc=False,
                      max_registers=MAX_REGISTERS, half_rotation=False, store_buffers=None, operand_buffers=None,
-                     weights_in_ring=None):
+                     weights_in_ring=None, from_angles=False):
     """The probe in one of its ``ROLES`` compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU
     needed; ``gdc``: as launched under ``launch.dependent_launches`` (its wait and trigger compiled in);
     ``max_registers``: the launch's register cap; ``half_rotation``: k's bias add and rotation in bf16;
     ``store_buffers`` / ``operand_buffers``: state-store buffers and sets of update operands (default: the wrappers'
     choices, ``state_store_buffers`` and ``update_operand_buffers``); ``weights_in_ring``: the weights through the ring
-    (default: the wrappers' choice, ``ring_weights``)."""
+    (default: the wrappers' choice, ``ring_weights``); ``from_angles``: the fp32 angles' boxes in place of the
+    cos / sin tables, their values computed in the consumer (``ScanConfig.angles_in_kernels``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -78,6 +79,8 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
                 cos_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
                 sin_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
+    if from_angles:
+        fake.update(cos_angles=None, sin_angles=None, angles=_Shaped(base[torch.float32], (B, S, H, N // 4)))
     types = {name: mangle_type(desc) for name, desc in descriptors(**fake, chunk_size=C, block_p=block_p).items()}
     types.update({name: "*fp32" for name in ("da_rev_ptr", "trap_scale_ptr", "da_cs_ptr", "k_bias_ptr", "psi_ptr",
                                              "seg_state_ptr")})
@@ -88,7 +91,8 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, GDC=gdc,
                      HALF_ROTATION=half_rotation, STORE_BUFFERS=store_buffers, OPERAND_BUFFERS=operand_buffers,
                      RING_WEIGHTS=(ring_weights(C=C, N=N, P=P, block_p=block_p) if weights_in_ring is None
-                                   else weights_in_ring))
+                                   else weights_in_ring),
+                     TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _gluon_scan_kernel.arg_names}  # in the kernel's order
     source = GluonASTSource(_gluon_scan_kernel, signature, constants)

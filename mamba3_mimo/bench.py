@@ -246,6 +246,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         gluon_segments=[0, 1, 2],
         pdl=[False, True],
         fold_one_scan=[False, True],
+        angles_in_kernels=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -313,15 +313,16 @@ def test_gluon_two_pass_scan_in_one_segment(check_kernel, monkeypatch, case):
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", [GLUON_PRODUCTION_CASES[0], GLUON_PRODUCTION_CASES[3]], ids=["local", "two"])
-def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, case):
+@pytest.mark.parametrize("angles", [False, True], ids=["tables", "angles"])
+def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, case, angles):
     """The second call of a signature replays the whole call, the Gluon launches with their descriptors rebuilt
     around the new tensors (no host wrapper runs), into NaN-poisoned outputs; bitwise equal to the same call
-    through Triton's JIT."""
+    through Triton's JIT.  ``angles``: with ``angles_in_kernels`` (the angles' boxes are the call's input)."""
     replays = spy_on_replays(monkeypatch)  # the first call below records
     calls = _spy_on_gluon_wrappers(monkeypatch)
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
     config = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
-                                 local_states=case["local_states"], block_p=64)
+                                 local_states=case["local_states"], block_p=64, angles_in_kernels=angles)
 
     def call(seed):
         inputs = make_inputs(B=2, G=case["G"], dtype=torch.bfloat16, device="cuda", seed=seed, **shape)
@@ -336,3 +337,31 @@ def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, ca
     through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
     assert len(replays) == 1 and len(calls) > recorded
     assert_replay_equals_jit(replayed, through_jit)
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES, ids=lambda c: f"N{c['N']}-P{c['P']}-S{c['S']}-"
+                         f"{'local' if c['local_states'] else 'two'}{'-half' if c.get('half_rotation') else ''}")
+def test_gluon_scan_from_angles_computes_the_tables_values(monkeypatch, case):
+    """``angles_in_kernels``: the Gluon scan takes the fp32 angles' boxes and chunk_scan the angles, ``token_tables``
+    writes no cos / sin table, and every output is bit for bit the call with the tables (both compute the tables'
+    16-bit values with the same instructions)."""
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
+    from mamba3_mimo.ops import production
+
+    launched, tables = [], []
+    scan_launch = gluon_state_scan._launch
+    monkeypatch.setattr(gluon_state_scan, "_launch", lambda **kw: (
+        launched.append(kw.get("angles") is not None and kw["cos_angles"] is None), scan_launch(**kw))[1])
+    token_tables = production.token_tables
+    monkeypatch.setattr(production, "token_tables", lambda **kw: (
+        tables.append(kw.get("cos_sin", True)), token_tables(**kw))[1])
+    shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H")}
+    half = case.get("half_rotation", False)
+    base = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
+                               local_states=case["local_states"], block_p=64, split_gate=True,
+                               scan_half_rotation=half, out_half_rotation=half)
+    inputs = make_inputs(B=2, G=case["G"], dtype=torch.bfloat16, device="cuda", seed=23, **shape)
+    assert_knob_inert(inputs, base, "angles_in_kernels")
+    assert tables == [True, False]
+    assert launched and set(launched[:len(launched) // 2]) == {False} and set(launched[len(launched) // 2:]) == {True}

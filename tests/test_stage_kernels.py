@@ -401,3 +401,56 @@ def test_raw_y_scratch_refused(bad):
     act = torch.zeros((B, S, H, P))
     with pytest.raises(ValueError, match="raw_y"):
         gate_grads(raw_y=raw_y, dout=act, z=None, mimo_o=torch.zeros((H, R, P)), mimo_z=None, dz=None, **given)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("knobs", [dict(local_states=True, n_segments=3),
+                                   dict(local_states=True, n_segments=3, gate_in_scan=True, out_span_chunks=2),
+                                   dict(local_states=False, n_segments=2, scan_half_rotation=True,
+                                        out_half_rotation=True)],
+                         ids=["local", "gate-in-scan-spans", "two-pass-half-rotation"])
+def test_angles_in_kernels_computes_the_tables_values(monkeypatch, dtype, knobs):
+    """``ScanConfig.angles_in_kernels``: chunk_scan takes the angles, not the cos / sin tables, and computes the values
+    the tables would hold, so every output is bit for bit the tables' call.  (Under the interpreter the Triton scans
+    run, so ``token_tables`` still writes the tables for them; the Gluon scan's side is checked on the GPU by
+    tests/test_gluon_state_scan.py.)"""
+    from conftest import assert_knob_inert
+
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
+    taken = []
+    chunk_scan = production.chunk_scan
+
+    def record(**kwargs):
+        taken.append((kwargs.get("angles") is not None, kwargs["cos_angles"] is None, kwargs.get("table_dtype")))
+        return chunk_scan(**kwargs)
+
+    monkeypatch.setattr(production, "chunk_scan", record)
+    inputs = make_inputs(B=1, S=40, H=2, N=16, P=16, R=2, chunk_size=8, dtype=dtype, device=DEVICE, seed=19)
+    base = production.ScanConfig(block_p=16, out_block_p=16, split_gate=True, **knobs)
+    assert_knob_inert(inputs, base, "angles_in_kernels")
+    tables = production.rotation_table_dtype(dtype)
+    if knobs.get("out_half_rotation"):
+        dot_dtype, _ = api.dot_operands([dtype], torch.device(DEVICE))
+        tables = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}.get(dot_dtype, tables)
+    # fp32 tables (fp16 activations with an fp32 rotation) stay tables.
+    assert taken == [(False, False, None), (True, True, tables) if tables != torch.float32 else (False, False, None)]
+
+
+def test_angles_in_kernels_leaves_fp32_tables_and_the_fused_stage_alone(monkeypatch):
+    """fp32 tables (fp32 activations: libdevice's cos / sin) and the fused output stage keep the tables: the knob is
+    inert there, bit for bit, and no kernel is handed the angles."""
+    from conftest import assert_knob_inert
+
+    monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")
+    handed = []
+    for name in ("chunk_scan", "chunk_output"):
+        wrapped = getattr(production, name)
+        monkeypatch.setattr(production, name, lambda _wrapped=wrapped, **kwargs: (
+            handed.append(kwargs.get("angles") is not None), _wrapped(**kwargs))[1])
+    fp32 = make_inputs(B=1, S=24, H=2, N=16, P=16, R=2, chunk_size=8, dtype=torch.float32, device=DEVICE, seed=5)
+    assert_knob_inert(fp32, production.ScanConfig(block_p=16, n_segments=2, out_block_p=16, split_gate=True),
+                      "angles_in_kernels", output_dtype=torch.float32)
+    bf16 = make_inputs(B=1, S=24, H=2, N=16, P=16, R=2, chunk_size=8, dtype=torch.bfloat16, device=DEVICE, seed=5)
+    assert_knob_inert(bf16, production.ScanConfig(block_p=16, n_segments=2, out_block_p=16, split_gate=False),
+                      "angles_in_kernels")
+    assert handed == [False] * 4

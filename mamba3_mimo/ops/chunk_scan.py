@@ -33,6 +33,7 @@ from .triton_utils import (
     silu_and_grad,
     span_decay_offsets,
     store_entering_state,
+    table_cos_sin,
     wait_for_previous_grid,
 )
 
@@ -80,7 +81,7 @@ def _span_raw_y(
     SPAN_CHUNKS: tl.constexpr, ADD_ENTRY: tl.constexpr, HAS_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr, DEFER_STATE_STORE: tl.constexpr,
-    DEFER_QK_DOT: tl.constexpr,
+    DEFER_QK_DOT: tl.constexpr, FROM_ANGLES: tl.constexpr, TABLE_DTYPE: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -92,7 +93,8 @@ def _span_raw_y(
     the states after it.  DEFER_STATE_STORE writes the span's full entering state (with ADD_ENTRY) after q~ @ state,
     not right after its loads, and DEFER_QK_DOT qk_dot after the products, not right after the scores: a store keeps
     every later load from being issued until its data has arrived (the compiler does not move a load above a store
-    that may alias it; ScanConfig.out_defer_state_store, out_defer_qk_dot).
+    that may alias it; ScanConfig.out_defer_state_store, out_defer_qk_dot).  FROM_ANGLES: ``cos_ptr`` holds the
+    fp32 angles, whose cos / sin are the tables' TABLE_DTYPE values computed here (``table_cos_sin``).
     """
     HALF: tl.constexpr = N // 2
     # A span of SPAN_CHUNKS chunks (L tokens) is read as one chunk: raw_y does not depend on where
@@ -138,8 +140,14 @@ def _span_raw_y(
     # products' half dtype: two elements a register).
     angle_offs = t_tok[:, None] * (H * RD) + offs_half[None, :]
     rotated = tok_mask[:, None] & (offs_half < RD)[None, :]
-    cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(ROTATION_DTYPE)[:, None, :]
-    sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(ROTATION_DTYPE)[:, None, :]
+    if FROM_ANGLES:
+        cos, sin = table_cos_sin(tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=0.0), TABLE_DTYPE,
+                                 FAST_TRIG)
+        cos = tl.where(rotated, cos, 1.0).to(ROTATION_DTYPE)[:, None, :]
+        sin = tl.where(rotated, sin, 0.0).to(ROTATION_DTYPE)[:, None, :]
+    else:
+        cos = tl.load(cos_ptr + angle_seq + angle_offs, mask=rotated, other=1.0).to(ROTATION_DTYPE)[:, None, :]
+        sin = tl.load(sin_ptr + angle_seq + angle_offs, mask=rotated, other=0.0).to(ROTATION_DTYPE)[:, None, :]
     if GDC:
         # The cos / sin tables are token_tables', written two or more launches back (done before this program could
         # start: each kernel lets the next one start only after its own wait), so their loads are issued before the
@@ -225,7 +233,8 @@ def _chunk_scan_kernel(
     Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr, ROTATION_DTYPE: tl.constexpr,
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     DEFER_QK_DOT: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, FROM_ANGLES: tl.constexpr = False, TABLE_DTYPE: tl.constexpr = tl.float32,
+    FAST_TRIG: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
@@ -239,7 +248,7 @@ def _chunk_scan_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT)
+            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -267,7 +276,8 @@ def _chunk_scan_gate_kernel(
     HAS_Z: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISE_SIGMOID: tl.constexpr, D_AT_GATE: tl.constexpr,
     PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     DEFER_QK_DOT: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, FROM_ANGLES: tl.constexpr = False, TABLE_DTYPE: tl.constexpr = tl.float32,
+    FAST_TRIG: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
@@ -292,7 +302,7 @@ def _chunk_scan_gate_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT)
+            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -349,7 +359,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
                q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False,
-               defer_qk_dot=False):
+               defer_qk_dot=False, angles=None, table_dtype=None):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -363,10 +373,13 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
     ``defer_state_store`` writes each span's full state (with ``seg_entry``) after q~ @ state instead of right after
     its loads, ``defer_qk_dot`` qk_dot after the products instead of right after the scores
-    (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).
+    (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).  With ``angles`` (and no cos / sin tables) the
+    kernel computes the cos / sin that ``token_tables`` would have stored as ``table_dtype`` (16-bit) from the angles
+    (``ScanConfig.angles_in_kernels``): the same values, without the tables' write and read.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
-        fp32, fp16 or bf16; q_bias, k_bias: [H, R, N] fp32; mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
+        fp32, fp16 or bf16, or None with angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32;
+        mimo_v: [H, R, P] fp32; d: [H] fp32 or None;
         da_cs, da_cs_rev, gamma, trap_scale: [B, H, S] fp32 (``token_tables``); states: [B, H, nch, N, P];
         seg_entry: [B, H, n_segments, N, P] fp32 or None; entry_decay: [B, H, nch] fp32 (with seg_entry);
         qk_dot: [B, H, S, R, R];
@@ -389,6 +402,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     if d_in_gate and dout is None:
         raise ValueError("chunk_scan: d_in_gate applies with dout (the gate in chunk_scan); to leave D out of a "
                          "stored raw_y, pass d=None")
+    trig = host_utils.rotation_source("chunk_scan", q, cos_angles, sin_angles, angles, table_dtype)
     scaled = raw_y is not None and host_utils.check_raw_y_scratch("chunk_scan", raw_y, raw_y_scale, block_p)
     meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=block_p, span_chunks=span_chunks)
     if host_utils.compiled_for_gpu(q):
@@ -396,16 +410,17 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     nch = cdiv(S, chunk_size)
     n_spans = cdiv(nch, span_chunks)
     grid = (cdiv(P, block_p), cdiv(n_spans, spans_per_program), B * H)
-    inputs = (q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d if d is not None else q_bias,
+    inputs = (q, k, v, trig["cos_angles"], trig["sin_angles"], q_bias, k_bias, mimo_v, d if d is not None else q_bias,
               da_cs, da_cs_rev, gamma, trap_scale, states, states if seg_entry is None else seg_entry,
               da_cs if entry_decay is None else entry_decay, qk_dot)
     sizes = (S, H, G, H // G, nch, chunks_per_segment, 1 if seg_entry is None else seg_entry.shape[2])
     constants = dict(
-        C=chunk_size, R=R, N=N, P=P, RD=cos_angles.shape[3], **meta, ADD_ENTRY=seg_entry is not None,
+        C=chunk_size, R=R, N=N, P=P, RD=trig["RD"], **meta, ADD_ENTRY=seg_entry is not None,
         HAS_D=d is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SPANS_PER_PROGRAM=spans_per_program,
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
         PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
         DEFER_STATE_STORE=defer_state_store, DEFER_QK_DOT=defer_qk_dot,
+        **({key: trig[key] for key in ("FROM_ANGLES", "TABLE_DTYPE", "FAST_TRIG")} if trig["FROM_ANGLES"] else {}),
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:
         launch(_chunk_scan_kernel, grid, *inputs, raw_y, raw_y_scale if scaled else raw_y, *sizes, **constants,

@@ -45,7 +45,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host_utils import cdiv
 from .launch import launch
-from .triton_utils import wait_for_previous_grid
+from .host_utils import rotation_source
+from .triton_utils import table_cos_sin, wait_for_previous_grid
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
 BLOCK_HALF = 64  # columns of each N/2 half a program holds: one 128-byte swizzled bf16 box row
@@ -92,13 +93,14 @@ def _state_layout(block_p, num_warps):
 def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs,
               decay_bufs, da_rev_ptr, trap_scale_ptr, da_cs_ptr, ready, empty, b, h, g, bh, t_first, n0, p0, S,
               n_steps, C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, GDC: gl.constexpr,
-              RING_WEIGHTS: gl.constexpr):
+              RING_WEIGHTS: gl.constexpr, FROM_ANGLES: gl.constexpr):
     # The producer warp's TMA loads read the previous kernel's tables: it waits for that grid itself rather than
     # relying on how the partitions are entered.
     wait_for_previous_grid(GDC)
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
-    STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
+    # From angles, cos_desc is the fp32 angles' box (as many bytes as a 16-bit cos box and sin box together).
+    STEP_BYTES: gl.constexpr = (2 * k_desc.block_type.nbytes + (2 - FROM_ANGLES) * cos_desc.block_type.nbytes
                                 + v_desc.block_type.nbytes)
     token = gl.arange(0, C, gl.BlockedLayout([1], [32], [1], [0]))
     last = gl.arange(0, 1, gl.BlockedLayout([1], [32], [1], [0]))
@@ -121,7 +123,8 @@ def _producer(k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N + n0], bar, k_lo_bufs.index(stage))
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF + n0], bar, k_hi_bufs.index(stage))
         tma.async_copy_global_to_shared(cos_desc, [row, h * RD + n0], bar, cos_bufs.index(stage))
-        tma.async_copy_global_to_shared(sin_desc, [row, h * RD + n0], bar, sin_bufs.index(stage))
+        if not FROM_ANGLES:
+            tma.async_copy_global_to_shared(sin_desc, [row, h * RD + n0], bar, sin_bufs.index(stage))
         tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
 
 
@@ -144,11 +147,13 @@ def _chunk_weights(da_rev_ptr, trap_scale_ptr, da_cs_ptr, at, token, valid, C: g
 def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, ready,
                     empty, a_lo, a_hi, psiv, bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev,
                     trap_scale, C: gl.constexpr, R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr,
-                    k_layout: gl.constexpr, p_layout: gl.constexpr, RING_WEIGHTS: gl.constexpr):
+                    k_layout: gl.constexpr, p_layout: gl.constexpr, RING_WEIGHTS: gl.constexpr,
+                    TABLE_DTYPE: gl.constexpr):
     """Step ``step``'s update operands from its ring stage (``stage``, step % ring depth): k~ (a_lo / a_hi, rows
     (rank, token)) and the weighted psiv; the stage is then released to the producer.  Returns the chunk's decay,
     exp(``log_decay``).  With ``RING_WEIGHTS`` the chunk's weights and decay come from the stage's weight slot
-    (``log_decay``, ``da_rev`` and ``trap_scale`` are not used)."""
+    (``log_decay``, ``da_rev`` and ``trap_scale`` are not used).  A TABLE_DTYPE (not None) says the stage holds the
+    chunk's fp32 angles in ``cos_bufs``: their cos / sin are computed here as ``token_tables`` would store them."""
     BLOCK_HALF: gl.constexpr = k_lo_bufs.type.shape[3]
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     mbarrier.wait(ready.index(stage), (step // NUM_BUFFERS) & 1)
@@ -160,8 +165,13 @@ def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_buf
         log_decay = gl.sum(decay_bufs.index(stage).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
     decay = gl.exp(log_decay)
     weight = gl.exp(da_rev) * trap_scale
-    cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 1.0)
-    sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 0.0)
+    if TABLE_DTYPE is None:
+        cos = gl.where(rotated, cos_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 1.0)
+        sin = gl.where(rotated, sin_bufs.index(stage).load(k_layout).to(ROTATION_DTYPE), 0.0)
+    else:
+        cos, sin = table_cos_sin(cos_bufs.index(stage).load(k_layout), TABLE_DTYPE, True)
+        cos = gl.where(rotated, cos.to(ROTATION_DTYPE), 1.0)
+        sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
     v_weighted = v_bufs.index(stage).load(p_layout).to(gl.float32) * weight[:, None]
     k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
     k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
@@ -212,8 +222,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
               psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
               seg, n_steps, C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
               BLOCK_P: gl.constexpr, STORE_STATES: gl.constexpr, FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr,
-              BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr, RING_WEIGHTS: gl.constexpr, num_warps:
-              gl.constexpr):
+              BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr, RING_WEIGHTS: gl.constexpr,
+              TABLE_DTYPE: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     # k's bias add and rotation in bf16 (two elements a register, no conversion before the operand store) or fp32:
     # the production scans' rotation_math_dtype.
@@ -272,7 +282,8 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
             decay = _stage_operands(0, 0, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs,
                                     ready, empty, a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0),
                                     bias_lo_smem, bias_hi_smem, psi_smem, rotated, next_log_decay, next_da_rev,
-                                    next_trap_scale, C, R, STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
+                                    next_trap_scale, C, R, STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS,
+                                    TABLE_DTYPE)
         if not RING_WEIGHTS:
             next_da_rev, next_trap_scale, next_log_decay = _chunk_weights(da_rev_ptr, trap_scale_ptr, da_cs_ptr,
                                                                           disc + C, token, n_steps > 1, C)
@@ -297,7 +308,7 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
                                         weight_bufs, decay_bufs, ready, empty, a_lo_smem.index(1 - operands),
                                         a_hi_smem.index(1 - operands), psiv_smem.index(1 - operands), bias_lo_smem,
                                         bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R, STACKED,
-                                        ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
+                                        ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS, TABLE_DTYPE)
             if STACKED:
                 state_lo = warpgroup_mma_wait(0, deps=(state_lo,))
             else:
@@ -315,7 +326,7 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
             decay = _stage_operands(i, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs,
                                     ready, empty, a_lo_smem.index(0), a_hi_smem.index(0), psiv_smem.index(0),
                                     bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev, trap_scale, C, R,
-                                    STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS)
+                                    STACKED, ROTATION_DTYPE, k_layout, p_layout, RING_WEIGHTS, TABLE_DTYPE)
             state_lo = warpgroup_mma(a_lo_smem.index(0).permute((1, 0)), psiv_smem.index(0), state_lo * decay,
                                      is_async=True)
             if STACKED:
@@ -344,10 +355,11 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                        FOLD_EARLIER: gl.constexpr, STORE_END: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                        num_warps: gl.constexpr, GDC: gl.constexpr = False, HALF_ROTATION: gl.constexpr = False,
                        STORE_BUFFERS: gl.constexpr = 1, OPERAND_BUFFERS: gl.constexpr = 1,
-                       RING_WEIGHTS: gl.constexpr = False):
+                       RING_WEIGHTS: gl.constexpr = False, TABLE_DTYPE: gl.constexpr = None):
     """One program scans one segment of one (b, h) for one [2 x 64, P tile] piece of its state: the production state
     scan's three roles, as its ``STORE_STATES`` / ``FOLD_EARLIER`` / ``STORE_END`` flags set them
-    (``chunk_state.py``)."""
+    (``chunk_state.py``).  With a TABLE_DTYPE, ``cos_desc`` is a box of the fp32 angles and the consumer computes
+    the tables' cos / sin from them (``sin_desc`` is not read)."""
     wait_for_previous_grid(GDC)
     HALF: gl.constexpr = N // 2
     BLOCK_HALF: gl.constexpr = k_desc.block_type.shape[2]
@@ -367,7 +379,12 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
     k_lo_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
     k_hi_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
     cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
-    sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape, sin_desc.layout)
+    FROM_ANGLES: gl.constexpr = TABLE_DTYPE is not None
+    if FROM_ANGLES:
+        sin_bufs = cos_bufs
+    else:
+        sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape,
+                                             sin_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
     # A stage's weight rows (RING_WEIGHTS): the chunk's da_rev and trap_scale, and its decay (da_cs's last value).
     # Shared-memory shapes are powers of two: 4 slots for a ring of 3.
@@ -423,10 +440,11 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
                      trap_scale_ptr, ready, empty, a_lo_smem, a_hi_smem, psiv_smem, out_lo_smem, out_hi_smem,
                      bias_lo_smem, bias_hi_smem, psi_smem, states_desc, seg_state_ptr, da_cs_ptr, bh, c_first, n0, p0,
                      S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps, C, R, N, P, RD, BLOCK_P, STORE_STATES,
-                     FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS, HALF_ROTATION, RING_WEIGHTS, num_warps)),
+                     FOLD_EARLIER, STORE_END, BLOCK_SEG_CHUNKS, HALF_ROTATION, RING_WEIGHTS, TABLE_DTYPE,
+                     num_warps)),
         (_producer, (k_desc, cos_desc, sin_desc, v_desc, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs,
                      decay_bufs, da_rev_ptr, trap_scale_ptr, da_cs_ptr, ready, empty, b, h, g, bh, c_first * C, n0, p0,
-                     S, n_steps, C, N, P, RD, GDC, RING_WEIGHTS)),
+                     S, n_steps, C, N, P, RD, GDC, RING_WEIGHTS, FROM_ANGLES)),
     ], [1], [PRODUCER_REGISTERS])
 
 
@@ -463,29 +481,32 @@ def check_shape(**problem):
 
 
 def unsupported(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, chunk_size,
-                block_p, **_unused):
+                block_p, angles=None, table_dtype=None, **_unused):
     """None where the kernel can run these scan arguments (``chunk_local_states``' with ``states``, the tensor the
-    storing pass writes), else the reason: a Hopper GPU outside the interpreter, contiguous 16-byte aligned
-    tensors, and ``shape_problems``."""
+    storing pass writes; the cos / sin tables, or ``angles`` with the ``table_dtype`` they stand for, as
+    ``host_utils.rotation_source`` takes them), else the reason: a Hopper GPU outside the interpreter, contiguous
+    16-byte aligned tensors, and ``shape_problems``."""
     if not k.is_cuda or knobs.runtime.interpret or torch.cuda.get_device_capability(k.device)[0] != 9:
         return "needs a Hopper GPU (wgmma, TMA) outside the Triton interpreter"
-    tensors = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v, da_cs=da_cs,
-                   da_cs_rev=da_cs_rev, trap_scale=trap_scale, states=states)
+    trig = rotation_source("gluon_state_scan", k, cos_angles, sin_angles, angles, table_dtype)
+    tensors = dict(k=k, v=v, cos_angles=trig["cos_angles"], sin_angles=trig["sin_angles"], k_bias=k_bias,
+                   mimo_v=mimo_v, da_cs=da_cs, da_cs_rev=da_cs_rev, trap_scale=trap_scale, states=states)
     for name, tensor in tensors.items():
         if not tensor.is_contiguous() or tensor.data_ptr() % 16:
             return f"needs {name} contiguous and 16-byte aligned"
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
-    problems = shape_problems(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=cos_angles.shape[3], chunk_size=chunk_size,
-                              block_p=block_p, dtypes=(k.dtype, cos_angles.dtype, states.dtype))
+    problems = shape_problems(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=trig["RD"], chunk_size=chunk_size,
+                              block_p=block_p, dtypes=(k.dtype, table_dtype or cos_angles.dtype, states.dtype))
     return "; ".join(problems) or None
 
 
-def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
-    """The kernel's TMA descriptors (host-side, so no program builds one)."""
+def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, angles=None):
+    """The kernel's TMA descriptors (host-side, so no program builds one).  With ``angles`` (cos_angles and
+    sin_angles None), cos_desc and sin_desc are both one box of the fp32 angles."""
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
-    RD = cos_angles.shape[3]
+    RD = (cos_angles if angles is None else angles).shape[3]
     C, HALF = chunk_size, half_columns(N)
     nch = states.shape[2]
     states_rows = states.shape[0] * states.shape[1] * nch * states.shape[3]
@@ -495,11 +516,19 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p):
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return TensorDescriptor(tensor, list(shape), list(strides), list(block), layout)
 
+    if angles is None:
+        cos_desc = box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, HALF])
+        sin_desc = box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, HALF])
+    else:
+        # 64 fp32 columns are 256-byte rows, past the 128-byte swizzle: unswizzled (the consumer reads a row a warp,
+        # which is conflict-free without it).
+        cos_desc = sin_desc = TensorDescriptor(angles, [B * S, H * RD], [H * RD, 1], [C, HALF],
+                                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     return dict(
         # k viewed as [R, B * S, G * N]: a box is one chunk's rows, rank-major.
         k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF]),
-        cos_desc=box(cos_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
-        sin_desc=box(sin_angles, [B * S, H * RD], [H * RD, 1], [C, HALF]),
+        cos_desc=cos_desc,
+        sin_desc=sin_desc,
         v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
         states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [STATE_ROWS, block_p]),
     )
@@ -515,18 +544,20 @@ ROLES = {
 
 def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_rev, trap_scale, states, seg_state,
             chunk_size, n_segments, chunks_per_segment, block_p, num_buffers, segments_launched, max_registers=0,
-            rotation_math_dtype=tl.float32, store_buffers=None, operand_buffers=None, **_unused):
+            rotation_math_dtype=tl.float32, store_buffers=None, operand_buffers=None, angles=None, table_dtype=None,
+            **_unused):
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
-    RD = cos_angles.shape[3]
+    trig = rotation_source("gluon_state_scan", k, cos_angles, sin_angles, angles, table_dtype)
+    RD = trig["RD"]
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
-                dtypes=(k.dtype, cos_angles.dtype, states.dtype))
+                dtypes=(k.dtype, table_dtype or cos_angles.dtype, states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
     num_buffers, operand_buffers, store_buffers = buffer_plan(
         C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states, num_buffers=num_buffers,
         operand_buffers=operand_buffers, store_buffers=store_buffers)
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
-                        chunk_size=chunk_size, block_p=block_p)
+                        chunk_size=chunk_size, block_p=block_p, angles=angles)
     # Through ops/launch.py, so that a whole call's launches replay (descriptors rebuilt around the new tensors).
     # 5 warps are 8 on the hardware (whole warpgroups): 128 registers a thread keeps two programs an SM, and the
     # producer's 40 leave the consumer warpgroup 232 (at a cap of 64: 104).  ``max_registers`` (the production
@@ -541,7 +572,8 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
            STORE_STATES=store_states, FOLD_EARLIER=fold_earlier, STORE_END=store_end,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
            maxnreg=min(MAX_REGISTERS, max_registers) if max_registers else MAX_REGISTERS,
-           HALF_ROTATION=rotation_math_dtype != tl.float32)
+           HALF_ROTATION=rotation_math_dtype != tl.float32,
+           **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}))
 
 
 def _segment_scratch(k, v, n_segments):

@@ -1,4 +1,4 @@
-"""Integer helpers for the host side of the launches.
+"""Helpers for the host side of the launches: integer arithmetic, the kernels' dtype and unit choices.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions in Triton 3.6: each host call
 goes through a wrapper that unwraps its arguments, a few microseconds that a bwd_fwd call paid
@@ -92,3 +92,28 @@ def check_raw_y_scratch(who, raw_y, raw_y_scale, block_p):
         got = None if raw_y_scale is None else (tuple(raw_y_scale.shape), raw_y_scale.dtype)
         raise ValueError(f"{who}: fp16 raw_y needs raw_y_scale of shape {want}, fp32; got {got}")
     return True
+
+
+_TL_TABLE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def rotation_source(who, tensor, cos_angles, sin_angles, angles, table_dtype):
+    """Where a rotating kernel takes its cos / sin: the ``token_tables`` tables (cos_angles, sin_angles), or, with
+    ``angles`` and a 16-bit ``table_dtype``, the angles themselves, their cos / sin computed in the kernel as those
+    tables would hold them (``triton_utils.table_cos_sin``; ``ScanConfig.angles_in_kernels``).  ValueError for any
+    other mix.  Returns the kernel's tensors and constants: cos_angles, sin_angles (both the angles in the second
+    form), RD, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG (as ``token_tables`` chooses it for the tables)."""
+    if angles is None:
+        if cos_angles is None or sin_angles is None or table_dtype is not None:
+            raise ValueError(f"{who}: pass the cos / sin tables, or angles with their table_dtype")
+        return dict(cos_angles=cos_angles, sin_angles=sin_angles, RD=cos_angles.shape[3], FROM_ANGLES=False,
+                    TABLE_DTYPE=tl.float32, FAST_TRIG=False)
+    if cos_angles is not None or sin_angles is not None:
+        raise ValueError(f"{who}: angles replace the cos / sin tables; pass one or the other")
+    if table_dtype not in _TL_TABLE_DTYPES:
+        raise ValueError(f"{who}: angles take a 16-bit table_dtype (the tables' values they stand for), got "
+                         f"{table_dtype}")
+    if angles.dtype != torch.float32 or angles.dim() != 4:
+        raise ValueError(f"{who}: angles are [B, S, H, RD] fp32, got {tuple(angles.shape)} {angles.dtype}")
+    return dict(cos_angles=angles, sin_angles=angles, RD=angles.shape[3], FROM_ANGLES=True,
+                TABLE_DTYPE=_TL_TABLE_DTYPES[table_dtype], FAST_TRIG=compiled_for_gpu(tensor))

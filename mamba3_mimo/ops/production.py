@@ -220,6 +220,10 @@ class ScanConfig:
     once and runs one associative scan over the segments, instead of a serial walk that waits on a load and a store a
     segment (4 us at two segments, 15-20 at four, 36-50 at eight on the H200's N = 64 shapes).  With
     ``DISPATCH_SWEPT_KNOBS`` the dispatcher sets it with local states (H100: -0 to -4 us a call; section 40).
+    angles_in_kernels: with split_gate and 16-bit cos / sin tables (``rotation_table_dtype``), ``chunk_scan`` and the
+    Gluon scan compute the tables' values from the angles themselves (``triton_utils.table_cos_sin``: the same numbers),
+    and ``token_tables`` writes the cos / sin tables only where a Triton scan still reads them.  Where both take the
+    angles, the call neither writes nor reads the tables: 8 bytes fewer an angle (docs/optimization.md section 50).
     """
 
     block_p: int
@@ -258,6 +262,7 @@ class ScanConfig:
     gluon_segments: int = 0
     pdl: bool = False
     fold_one_scan: bool = False
+    angles_in_kernels: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -624,6 +629,15 @@ def production_bwd_fwd(*, q, da_cs, da_cs_rev, states, chunk_size, **rest):
     states.copy_(inner_states[:, :, ::chunk_size // inner])
 
 
+def _gluon_scan(config, *, scan, states):
+    """The ``gluon_state_scan`` module where ``config`` asks for it and it covers these scan arguments, else None."""
+    if not config.gluon_scan:
+        return None
+    from . import gluon_state_scan
+
+    return gluon_state_scan if gluon_state_scan.unsupported(**scan, states=states) is None else None
+
+
 def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                        da_cs, da_cs_rev, dt, trap, states, qk_dot, dmimo_o, dmimo_z, dz,
                        chunk_size, dot_dtype, dot_precision, config=None):
@@ -649,26 +663,38 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             # rotates in fp32 the tables keep their precision for it.
             rotation_dtype = torch.bfloat16 if out_rotation == tl.bfloat16 else torch.float16
         nch = cdiv(S, chunk_size)
-        gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=dt, trap=trap, angles=angles,
-                                                                 rotation_dtype=rotation_dtype, flat=config.flat_tables)
-        scan = dict(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, k_bias=k_bias, mimo_v=mimo_v,
-                    da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, chunk_size=chunk_size,
-                    block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
-                    dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
-                    prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
-                    rotation_math_dtype=scan_rotation)
         # The output stage reads the states back; when ``states`` is stored coarser than the inputs
         # (fp32 inputs, half outputs) it reads an fp32 copy instead, so the gradients keep input accuracy.
         input_eps = min(torch.finfo(x.dtype).eps for x in (q, k, v, dout))
         handoff = states
         if torch.finfo(states.dtype).eps > input_eps:
             handoff = torch.empty(states.shape, device=states.device, dtype=torch.float32)
-        gluon = None
-        if config.gluon_scan:
-            from . import gluon_state_scan
-
-            if gluon_state_scan.unsupported(**scan, states=handoff) is None:
-                gluon = gluon_state_scan
+        # cos / sin as the kernels take them: the 16-bit tables' values from the angles (ScanConfig.angles_in_kernels)
+        # in chunk_scan and the Gluon scan, the tables elsewhere.
+        from_angles = None
+        if config.angles_in_kernels and config.split_gate and rotation_dtype != torch.float32:
+            from_angles = dict(cos_angles=None, sin_angles=None, angles=angles, table_dtype=rotation_dtype)
+        scan = dict(k=k, v=v, k_bias=k_bias, mimo_v=mimo_v, da_cs=da_cs, da_cs_rev=da_cs_rev, chunk_size=chunk_size,
+                    block_half=config.block_half, block_p=config.block_p, dot_dtype=dot_dtype,
+                    dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
+                    prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
+                    rotation_math_dtype=scan_rotation)
+        tables = None
+        if from_angles:
+            gamma, trap_scale, _, _ = token_tables(dt=dt, trap=trap, angles=angles, flat=True, cos_sin=False)
+            scan.update(gamma=gamma, trap_scale=trap_scale)
+        gluon = _gluon_scan(config, scan=dict(scan, **from_angles), states=handoff) if from_angles else None
+        if gluon is None:
+            # A Triton scan reads the tables (where chunk_scan takes the angles: the weights are written twice, the
+            # same values, on this fallback alone).
+            gamma, trap_scale, cos_angles, sin_angles = token_tables(
+                dt=dt, trap=trap, angles=angles, rotation_dtype=rotation_dtype, flat=config.flat_tables)
+            tables = dict(cos_angles=cos_angles, sin_angles=sin_angles)
+            scan.update(tables, gamma=gamma, trap_scale=trap_scale)
+            if not from_angles:
+                gluon = _gluon_scan(config, scan=scan, states=handoff)
+        else:
+            scan.update(from_angles)
         wanted_segments = config.n_segments
         if gluon and not config.local_states and config.gluon_segments:
             wanted_segments = config.gluon_segments
@@ -698,7 +724,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                          span_chunks=config.end_span_chunks)
             chunk_states(**scan, seg_state=seg_end, states=handoff, span_chunks=config.state_span_chunks)
         output_stage = dict(
-            q=q, k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
+            q=q, k=k, v=v, **(from_angles or tables), q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
             d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, gamma=gamma, trap_scale=trap_scale, states=handoff, qk_dot=qk_dot,
             chunk_size=chunk_size, block_p=config.out_block_p, dot_dtype=dot_dtype, dot_precision=dot_precision,
             num_warps=config.out_num_warps, span_chunks=config.out_span_chunks, seg_entry=seg_entry,

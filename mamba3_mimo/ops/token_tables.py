@@ -20,7 +20,7 @@ import triton.language as tl
 from . import host_utils
 from .host_utils import cdiv, next_power_of_2
 from .launch import launch
-from .triton_utils import fast_cos_sin, trapezoid_weights, wait_for_previous_grid
+from .triton_utils import table_cos_sin, trapezoid_weights, wait_for_previous_grid
 
 BLOCK_TOKENS = 256
 # Elements of angles per step (tokens x RD): 4 a thread at 4 warps.
@@ -44,12 +44,9 @@ def _weight_tables(dt_ptr, trap_ptr, gamma_ptr, trap_scale_ptr, seq, t, valid, n
 def _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_mask, FAST_TRIG: tl.constexpr):
     """cos and sin of the angles at ``angle_offs``, stored at the same offsets of the tables."""
     theta = tl.load(angles_ptr + angle_offs, mask=angle_mask, other=0.0)
-    if FAST_TRIG:
-        cos, sin = fast_cos_sin(theta)
-    else:
-        cos, sin = tl.cos(theta), tl.sin(theta)
-    tl.store(cos_ptr + angle_offs, cos.to(cos_ptr.dtype.element_ty), mask=angle_mask)
-    tl.store(sin_ptr + angle_offs, sin.to(sin_ptr.dtype.element_ty), mask=angle_mask)
+    cos, sin = table_cos_sin(theta, cos_ptr.dtype.element_ty, FAST_TRIG)
+    tl.store(cos_ptr + angle_offs, cos, mask=angle_mask)
+    tl.store(sin_ptr + angle_offs, sin, mask=angle_mask)
 
 
 @triton.jit
@@ -84,10 +81,11 @@ FLAT_ANGLES = 2048
 @triton.jit
 def _flat_token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scale_ptr, cos_ptr, sin_ptr, S,
                               N_ROWS, N_ANGLES, BLOCK_W: tl.constexpr, BLOCK_A: tl.constexpr,
-                              FAST_TRIG: tl.constexpr, GDC: tl.constexpr = False):
+                              FAST_TRIG: tl.constexpr, GDC: tl.constexpr = False, COS_SIN: tl.constexpr = True):
     """_token_tables_kernel with cos / sin as an elementwise map over angles [B * S * H * RD], flat, which keeps
     every load and store contiguous whatever RD and H are (per (b, h) the angle rows are RD elements H * RD
-    apart).  Program i also takes the i-th token block of the [B * H, S] weight tables, if there is one."""
+    apart).  Program i also takes the i-th token block of the [B * H, S] weight tables, if there is one.  Without
+    COS_SIN only the weight tables are written (the kernels that rotate compute cos / sin from the angles)."""
     wait_for_previous_grid(GDC)
     pid = tl.program_id(0)
     blocks_per_row = tl.cdiv(S, BLOCK_W)
@@ -95,11 +93,12 @@ def _flat_token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scal
     t = (pid % blocks_per_row) * BLOCK_W + tl.arange(0, BLOCK_W)
     valid = (t < S) & (row < N_ROWS)
     _weight_tables(dt_ptr, trap_ptr, gamma_ptr, trap_scale_ptr, row.to(tl.int64) * S, t, valid, valid & (t + 1 < S))
-    angle_offs = pid.to(tl.int64) * BLOCK_A + tl.arange(0, BLOCK_A)
-    _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_offs < N_ANGLES, FAST_TRIG)
+    if COS_SIN:
+        angle_offs = pid.to(tl.int64) * BLOCK_A + tl.arange(0, BLOCK_A)
+        _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_offs < N_ANGLES, FAST_TRIG)
 
 
-def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
+def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False, cos_sin=True):
     """(gamma, trap_scale, cos_angles, sin_angles) for the production kernels.
 
     Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32;
@@ -107,9 +106,11 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
         2^-12 absolute, an eighth of the bf16 rounding the rotated rows get before bf16 products) or bf16
         (for a rotation computed in bf16: ``ScanConfig.scan_half_rotation`` with ``out_half_rotation``);
         flat: one flat index over each table (``_flat_token_tables_kernel``) instead of programs per (b, h)
-        and token block; the same values.
+        and token block; the same values;
+        cos_sin: False writes the weight tables alone (the flat kernel without its angle map): where every kernel
+        that rotates computes the tables' values from the angles itself (``table_cos_sin``).
     Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] rotation_dtype (views
-    of one allocation each pair, so a call allocates twice).
+    of one allocation each pair, so a call allocates twice), or None, None without ``cos_sin``.
     """
     if rotation_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"token_tables: rotation_dtype must be float32, float16 or bfloat16, got {rotation_dtype}")
@@ -120,6 +121,11 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False):
     # reference's (states MARE, GPU, tests/test_kernels.py::test_production_half_rotation[fp32-out-fused-ranks]).
     fast_trig = host_utils.compiled_for_gpu(angles) and rotation_dtype != torch.float32
     weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
+    if not cos_sin:
+        launch(_flat_token_tables_kernel, (B * H * cdiv(S, FLAT_WEIGHTS),), dt, trap, angles, weights[0], weights[1],
+               angles, angles, S, B * H, 0, BLOCK_W=FLAT_WEIGHTS, BLOCK_A=FLAT_ANGLES, FAST_TRIG=fast_trig,
+               COS_SIN=False, num_warps=4)
+        return weights[0], weights[1], None, None
     rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=rotation_dtype)
     if flat:
         n_angles = angles.numel()

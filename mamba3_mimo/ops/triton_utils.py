@@ -206,6 +206,18 @@ def fast_cos_sin(theta):
 
 
 @triton.jit
+def table_cos_sin(theta, TABLE_DTYPE: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """(cos(theta), sin(theta)) of fp32 angles rounded to TABLE_DTYPE, the values ``token_tables`` stores in its cos /
+    sin tables: a kernel that takes the angles instead of the tables computes them with this and reads the same
+    numbers (FAST_TRIG: ``fast_cos_sin``, the GPU's choice for 16-bit tables; else ``tl.cos`` / ``tl.sin``)."""
+    if FAST_TRIG:
+        cos, sin = fast_cos_sin(theta)
+    else:
+        cos, sin = tl.cos(theta), tl.sin(theta)
+    return cos.to(TABLE_DTYPE), sin.to(TABLE_DTYPE)
+
+
+@triton.jit
 def fp16_row_scaled(x):
     """x [rows, cols] fp32 times a power of two per row that puts the row's largest magnitude in [2^14, 2^15).
 
