@@ -126,7 +126,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     everywhere (production runs it where it applies, section 33), and at N = 64 one wave of its programs for
     segments (section 34) over 64-wide P tiles (section 47); the Gluon gate_grads wherever gate_grads runs at R = 4
     or 8 and P <= 64 (sections 37, 39); the flat token tables (section 44); chunk_scan's deferred stores at N64_P64
-    and N128_P128 (section 45).
+    and N128_P128 (section 45); cos / sin from the angles where the Gluon scan runs, but at N128_P128 (section 50).
     Everything else as without them; the defaults take them."""
     shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=has_z, half_tables=half_tables, **parse_case(case))
     config = choose_config(**shape, swept_knobs=True)
@@ -136,7 +136,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
-             "out_defer_qk_dot", "block_p", "out_max_registers", "n_segments",
+             "out_defer_qk_dot", "angles_in_kernels", "block_p", "out_max_registers", "n_segments",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
     assert not any(getattr(plain, name) for name in knobs[:-7])
     # The Gluon scan's P tile at N = 64 is 64 wide (section 47); elsewhere the plain rule's.
@@ -173,6 +173,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     # the bf16 rotation, qk_dot at N128_P128 with Z and without.
     assert config.out_defer_state_store is (half and case == "N64_P64_R4_C16")
     assert config.out_defer_qk_dot is (case == "N128_P128_R4_C8")
+    # cos / sin from the angles where the Gluon scan runs (N >= 64), but at N128_P128 (H100, section 50).
+    assert config.angles_in_kernels is (parse_case(case)["N"] >= 64 and case != "N128_P128_R4_C8")
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

@@ -342,10 +342,13 @@ def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, ca
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", GLUON_PRODUCTION_CASES, ids=lambda c: f"N{c['N']}-P{c['P']}-S{c['S']}-"
                          f"{'local' if c['local_states'] else 'two'}{'-half' if c.get('half_rotation') else ''}")
-def test_gluon_scan_from_angles_computes_the_tables_values(monkeypatch, case):
+def test_gluon_scan_from_angles_computes_the_tables_values(check_kernel, monkeypatch, case):
     """``angles_in_kernels``: the Gluon scan takes the fp32 angles' boxes and chunk_scan the angles, ``token_tables``
-    writes no cos / sin table, and every output is bit for bit the call with the tables (both compute the tables'
-    16-bit values with the same instructions)."""
+    writes no cos / sin table, and the call meets the accuracy contract.  With the rotation in fp32 every output is
+    bit for bit the call with the tables (the tables' 16-bit values, computed with the same instructions).  In bf16
+    the rotation's products may pair into FMAs differently once cos / sin come from registers rather than memory:
+    on the H100, N128_P128 local with the bf16 rotation moved one qk_dot element by one bf16 ulp, so there the
+    contract is the check."""
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     from mamba3_mimo.ops import production
 
@@ -361,7 +364,14 @@ def test_gluon_scan_from_angles_computes_the_tables_values(monkeypatch, case):
     base = dataclasses.replace(choose_config(B=2, num_sms=132, **shape), n_segments=3, gluon_scan=True,
                                local_states=case["local_states"], block_p=64, split_gate=True,
                                scan_half_rotation=half, out_half_rotation=half)
-    inputs = make_inputs(B=2, G=case["G"], dtype=torch.bfloat16, device="cuda", seed=23, **shape)
-    assert_knob_inert(inputs, base, "angles_in_kernels")
-    assert tables == [True, False]
-    assert launched and set(launched[:len(launched) // 2]) == {False} and set(launched[len(launched) // 2:]) == {True}
+    if not half:
+        inputs = make_inputs(B=2, G=case["G"], dtype=torch.bfloat16, device="cuda", seed=23, **shape)
+        assert_knob_inert(inputs, base, "angles_in_kernels")
+        assert tables == [True, False]
+        half_way = len(launched) // 2
+        assert launched and set(launched[:half_way]) == {False} and set(launched[half_way:]) == {True}
+        launched.clear()
+        tables.clear()
+    check_kernel("production", B=2, G=case["G"], dtype=torch.bfloat16, output_dtype=torch.bfloat16,
+                 config=dataclasses.replace(base, angles_in_kernels=True), dA_scale=0.1, **shape)
+    assert launched and set(launched) == {True} and set(tables) == {False}

@@ -514,6 +514,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 352 -> 366), and without Z (the gate in chunk_scan) 579 -> 562 (76ce761, part 29).
     defer_state_store = bool(half_rotation and N == 64 and p_pow == 64)
     defer_qk_dot = bool(swept and split_gate and not local_states and N == 128 and p_pow == 128)
+    # cos / sin from the angles in chunk_scan and the Gluon scan (N >= 64), no tables (section 50).  H100, 1f1c3bd,
+    # graph us (off -> on): N64_P64 270 -> 259, N128_P64_R4_C16 351 -> 337, N256 653 -> 641, N64_P128 464 -> 456,
+    # N128_P32 264 -> 250, R8_C8 665 -> 624, R2_C32 217 -> 206, R1_C64 144 -> 136; N128_P128 667 -> 671 (chunk_scan's
+    # spill at its 168 cap 8 -> 14 B), left off there.
+    angles_in_kernels = bool(swept and split_gate and N >= 64 and not (N >= 128 and p_pow >= 128))
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
@@ -524,7 +529,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       out_q_cast_early=out_half_rotation, out_y_state_early=out_half_rotation, gluon_scan=swept,
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
-                      out_defer_qk_dot=defer_qk_dot)
+                      out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
