@@ -325,3 +325,22 @@ def test_exp_fp32_precise_is_within_two_ulp_where_the_fast_one_grows_with_x():
         if not precise:
             assert "ex2.approx.f32" in compiled.asm["ptx"]
     assert errors[True] <= 2.4e-7 < errors[False], errors
+
+
+def test_rotation_source_takes_tables_or_angles_with_their_dtype():
+    """``host_utils.rotation_source``: the tables as they are, or fp32 angles with the 16-bit dtype of the tables they
+    stand for (its tl dtype for ``table_cos_sin``); any mix of the two, an fp32 table_dtype or non-fp32 angles raise."""
+    from mamba3_mimo.ops.host_utils import rotation_source
+
+    x = torch.zeros(1)
+    cos = torch.zeros(1, 4, 2, 8, dtype=torch.float16)
+    angles = torch.zeros(1, 4, 2, 8)
+    plain = rotation_source("k", x, cos, cos, None, None)
+    assert plain["FROM_ANGLES"] is False and plain["cos_angles"] is cos and plain["RD"] == 8
+    taken = rotation_source("k", x, None, None, angles, torch.bfloat16)
+    assert taken["FROM_ANGLES"] is True and taken["TABLE_DTYPE"] == tl.bfloat16
+    assert taken["cos_angles"] is taken["sin_angles"] is angles and taken["FAST_TRIG"] is x.is_cuda
+    for bad in [(cos, cos, angles, torch.float16), (None, None, angles, torch.float32), (cos, None, None, None),
+                (None, None, angles.half(), torch.float16), (cos, cos, None, torch.float16)]:
+        with pytest.raises(ValueError, match="^k: "):
+            rotation_source("k", x, *bad)
