@@ -7,7 +7,8 @@ split (section 32).  Here Gluon (``triton.experimental.gluon``) states the split
 - a 1-warp producer partition (40 registers) streams each chunk's tiles into a ring of shared-memory stages with
   TMA: k as two [R, C, 64] boxes of k viewed as [R, B * S, G * N] (a chunk's rows land rank-major, so each rank's
   [C, 64] block shares its tokens' tiles without a broadcast), cos / sin as [C, 64] boxes of the [B * S, H * RD]
-  tables and v as a [C, P tile] box;
+  tables (or, with ``angles_in_kernels``, one fp32 box of the angles, from which the consumer computes the tables'
+  values) and v as a [C, P tile] box;
 - the 4-warp consumer partition (232 registers) rotates k (in fp32, or in bf16 where the production scans'
   ``rotation_math_dtype`` is 16-bit), weighs v, writes the update's operands to shared memory,
   releases the stage and runs ``state = decay * state + k~^T @ psiv`` as two wgmma, one per N/2 half, into
@@ -43,9 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .host_utils import cdiv
+from .host_utils import cdiv, rotation_source
 from .launch import launch
-from .host_utils import rotation_source
 from .triton_utils import table_cos_sin, wait_for_previous_grid
 
 SMEM_LIMIT = 101_376  # the project's per-launch shared-memory bound (99 KB)
