@@ -337,8 +337,10 @@ def test_rotation_source_takes_tables_or_angles_with_their_dtype():
     angles = torch.zeros(1, 4, 2, 8)
     plain = rotation_source("k", x, cos, cos, None, None)
     assert plain["FROM_ANGLES"] is False and plain["cos_angles"] is cos and plain["RD"] == 8
+    assert plain["table_dtype"] == torch.float16
     taken = rotation_source("k", x, None, None, angles, torch.bfloat16)
     assert taken["FROM_ANGLES"] is True and taken["TABLE_DTYPE"] == tl.bfloat16
+    assert taken["table_dtype"] == torch.bfloat16
     assert taken["cos_angles"] is taken["sin_angles"] is angles and taken["FAST_TRIG"] is x.is_cuda
     for bad in [(cos, cos, angles, torch.float16), (None, None, angles, torch.float32), (cos, None, None, None),
                 (None, None, angles.half(), torch.float16), (cos, cos, None, torch.float16)]:

@@ -497,7 +497,7 @@ def unsupported(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_re
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     problems = shape_problems(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=trig["RD"], chunk_size=chunk_size,
-                              block_p=block_p, dtypes=(k.dtype, table_dtype or cos_angles.dtype, states.dtype))
+                              block_p=block_p, dtypes=(k.dtype, trig["table_dtype"], states.dtype))
     return "; ".join(problems) or None
 
 
@@ -511,9 +511,9 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, an
     nch = states.shape[2]
     states_rows = states.shape[0] * states.shape[1] * nch * states.shape[3]
 
-    def box(tensor, shape, strides, block):
+    def box(tensor, shape, strides, block, layout=None):
         element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[tensor.dtype]
-        layout = gl.NVMMASharedLayout.get_default_for(block, element)
+        layout = layout or gl.NVMMASharedLayout.get_default_for(block, element)
         return TensorDescriptor(tensor, list(shape), list(strides), list(block), layout)
 
     if angles is None:
@@ -522,8 +522,8 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, an
     else:
         # 64 fp32 columns are 256-byte rows, past the 128-byte swizzle: unswizzled (the consumer reads a row a warp,
         # which is conflict-free without it).
-        cos_desc = sin_desc = TensorDescriptor(angles, [B * S, H * RD], [H * RD, 1], [C, HALF],
-                                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        cos_desc = sin_desc = box(angles, [B * S, H * RD], [H * RD, 1], [C, HALF],
+                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     return dict(
         # k viewed as [R, B * S, G * N]: a box is one chunk's rows, rank-major.
         k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF]),
@@ -551,7 +551,7 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     trig = rotation_source("gluon_state_scan", k, cos_angles, sin_angles, angles, table_dtype)
     RD = trig["RD"]
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
-                dtypes=(k.dtype, table_dtype or cos_angles.dtype, states.dtype))
+                dtypes=(k.dtype, trig["table_dtype"], states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
     num_buffers, operand_buffers, store_buffers = buffer_plan(
         C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states, num_buffers=num_buffers,

@@ -102,12 +102,13 @@ def rotation_source(who, tensor, cos_angles, sin_angles, angles, table_dtype):
     ``angles`` and a 16-bit ``table_dtype``, the angles themselves, their cos / sin computed in the kernel as those
     tables would hold them (``triton_utils.table_cos_sin``; ``ScanConfig.angles_in_kernels``).  ValueError for any
     other mix.  Returns the kernel's tensors and constants: cos_angles, sin_angles (both the angles in the second
-    form), RD, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG (as ``token_tables`` chooses it for the tables)."""
+    form), RD, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG (as ``token_tables`` chooses it for the tables), and table_dtype,
+    the torch dtype of the tables the kernel reads or stands in for."""
     if angles is None:
         if cos_angles is None or sin_angles is None or table_dtype is not None:
             raise ValueError(f"{who}: pass the cos / sin tables, or angles with their table_dtype")
         return dict(cos_angles=cos_angles, sin_angles=sin_angles, RD=cos_angles.shape[3], FROM_ANGLES=False,
-                    TABLE_DTYPE=tl.float32, FAST_TRIG=False)
+                    TABLE_DTYPE=tl.float32, FAST_TRIG=False, table_dtype=cos_angles.dtype)
     if cos_angles is not None or sin_angles is not None:
         raise ValueError(f"{who}: angles replace the cos / sin tables; pass one or the other")
     if table_dtype not in _TL_TABLE_DTYPES:
@@ -116,4 +117,4 @@ def rotation_source(who, tensor, cos_angles, sin_angles, angles, table_dtype):
     if angles.dtype != torch.float32 or angles.dim() != 4:
         raise ValueError(f"{who}: angles are [B, S, H, RD] fp32, got {tuple(angles.shape)} {angles.dtype}")
     return dict(cos_angles=angles, sin_angles=angles, RD=angles.shape[3], FROM_ANGLES=True,
-                TABLE_DTYPE=_TL_TABLE_DTYPES[table_dtype], FAST_TRIG=compiled_for_gpu(tensor))
+                TABLE_DTYPE=_TL_TABLE_DTYPES[table_dtype], FAST_TRIG=compiled_for_gpu(tensor), table_dtype=table_dtype)

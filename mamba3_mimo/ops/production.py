@@ -684,18 +684,20 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                     dot_precision=dot_precision, num_warps=config.num_warps, max_registers=config.scan_max_registers,
                     prefetch=config.scan_prefetch, skip_unrotated=config.scan_skip_unrotated,
                     rotation_math_dtype=scan_rotation)
-        tables = None
+        tables = gluon = weights = None
         if from_angles:
-            gamma, trap_scale, _, _ = token_tables(dt=dt, trap=trap, angles=angles, flat=True, cos_sin=False)
-            scan.update(gamma=gamma, trap_scale=trap_scale)
-        gluon = _gluon_scan(config, scan=dict(scan, **from_angles), states=handoff) if from_angles else None
+            # Whether the Gluon scan takes the angles decides whether the tables are written at all, so its coverage
+            # is checked first, against the weight tables' storage (allocated here for their addresses).
+            weights = torch.empty((2,) + tuple(dt.shape), device=dt.device, dtype=torch.float32)
+            gluon = _gluon_scan(config, scan=dict(scan, **from_angles, trap_scale=weights[1]), states=handoff)
+        gamma, trap_scale, cos_angles, sin_angles = token_tables(
+            dt=dt, trap=trap, angles=angles, rotation_dtype=rotation_dtype, flat=config.flat_tables,
+            cos_sin=gluon is None, weights=weights)
+        scan.update(gamma=gamma, trap_scale=trap_scale)
         if gluon is None:
-            # A Triton scan reads the tables (where chunk_scan takes the angles: the weights are written twice, the
-            # same values, on this fallback alone).
-            gamma, trap_scale, cos_angles, sin_angles = token_tables(
-                dt=dt, trap=trap, angles=angles, rotation_dtype=rotation_dtype, flat=config.flat_tables)
+            # A Triton scan reads the tables (chunk_scan still takes the angles where from_angles is set).
             tables = dict(cos_angles=cos_angles, sin_angles=sin_angles)
-            scan.update(tables, gamma=gamma, trap_scale=trap_scale)
+            scan.update(tables)
             if not from_angles:
                 gluon = _gluon_scan(config, scan=scan, states=handoff)
         else:

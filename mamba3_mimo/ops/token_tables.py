@@ -98,7 +98,7 @@ def _flat_token_tables_kernel(dt_ptr, trap_ptr, angles_ptr, gamma_ptr, trap_scal
         _cos_sin_tables(angles_ptr, cos_ptr, sin_ptr, angle_offs, angle_offs < N_ANGLES, FAST_TRIG)
 
 
-def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False, cos_sin=True):
+def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False, cos_sin=True, weights=None):
     """(gamma, trap_scale, cos_angles, sin_angles) for the production kernels.
 
     Args (contiguous): dt [B, H, S] fp32, trap [B, H, S] (any float dtype), angles [B, S, H, RD] fp32;
@@ -108,7 +108,9 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False, 
         flat: one flat index over each table (``_flat_token_tables_kernel``) instead of programs per (b, h)
         and token block; the same values;
         cos_sin: False writes the weight tables alone (the flat kernel without its angle map): where every kernel
-        that rotates computes the tables' values from the angles itself (``table_cos_sin``).
+        that rotates computes the tables' values from the angles itself (``table_cos_sin``);
+        weights: a [2, B, H, S] fp32 tensor to write gamma and trap_scale into (default: a new one), for a caller
+        that needs their addresses before the launch.
     Returns gamma, trap_scale: [B, H, S] fp32; cos_angles, sin_angles: [B, S, H, RD] rotation_dtype (views
     of one allocation each pair, so a call allocates twice), or None, None without ``cos_sin``.
     """
@@ -120,10 +122,11 @@ def token_tables(*, dt, trap, angles, rotation_dtype=torch.float32, flat=False, 
     # (fp32 activations) take libdevice's cos / sin, or the outputs' worst relative errors reach 10x the fp32
     # reference's (states MARE, GPU, tests/test_kernels.py::test_production_half_rotation[fp32-out-fused-ranks]).
     fast_trig = host_utils.compiled_for_gpu(angles) and rotation_dtype != torch.float32
-    weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
+    if weights is None:
+        weights = torch.empty((2, B, H, S), device=dt.device, dtype=torch.float32)
     if not cos_sin:
         launch(_flat_token_tables_kernel, (B * H * cdiv(S, FLAT_WEIGHTS),), dt, trap, angles, weights[0], weights[1],
-               angles, angles, S, B * H, 0, BLOCK_W=FLAT_WEIGHTS, BLOCK_A=FLAT_ANGLES, FAST_TRIG=fast_trig,
+               angles, angles, S, B * H, 0, BLOCK_W=FLAT_WEIGHTS, BLOCK_A=FLAT_ANGLES, FAST_TRIG=False,
                COS_SIN=False, num_warps=4)
         return weights[0], weights[1], None, None
     rotation = torch.empty((2,) + tuple(angles.shape), device=dt.device, dtype=rotation_dtype)
