@@ -247,6 +247,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         pdl=[False, True],
         fold_one_scan=[False, True],
         angles_in_kernels=[False, True],
+        scan_outputs=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -198,6 +198,33 @@ def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_buf
 
 
 @gluon.jit
+def entering_segment_state(seg_state_ptr, da_cs_ptr, bh, n0, p0, seg, S, CHUNKS_PER_SEG, N_SEGMENTS, C: gl.constexpr,
+                           N: gl.constexpr, P: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
+                           STACKED: gl.constexpr, FOLD_EARLIER: gl.constexpr, acc_layout: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """The state a segment's scan starts from, as the [64, P tile] accumulators of its two N/2 halves (stacked: the
+    first holds both, the second is not used): zeros, or with FOLD_EARLIER (the storing pass of two) the earlier
+    segments' end states folded, s <- exp(segment log decay) s + end state, from seg_state [B, H, segments, N, P]."""
+    HALF: gl.constexpr = N // 2
+    rows = n0 + gl.arange(0, _STATE_ROWS, gl.SliceLayout(1, acc_layout))
+    cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
+    tile = rows[:, None] * P + cols[None, :]
+    state_lo = gl.zeros([_STATE_ROWS, BLOCK_P], gl.float32, acc_layout)
+    state_hi = gl.zeros([_STATE_ROWS, BLOCK_P], gl.float32, acc_layout)
+    if FOLD_EARLIER:
+        chunk = gl.arange(0, BLOCK_SEG_CHUNKS, gl.BlockedLayout([1], [32], [num_warps], [0]))
+        for earlier in range(0, seg):
+            chunk_ends = (earlier * CHUNKS_PER_SEG + chunk) * C + C - 1
+            segment_decay = gl.exp(gl.sum(gl.load(da_cs_ptr + bh * S + chunk_ends, mask=chunk < CHUNKS_PER_SEG,
+                                                  other=0.0), axis=0))
+            end_state = seg_state_ptr + (bh * N_SEGMENTS + earlier) * N * P + tile
+            state_lo = state_lo * segment_decay + gl.load(end_state)
+            if not STACKED:
+                state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
+    return state_lo, state_hi
+
+
+@gluon.jit
 def _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc, row, p0,
                           HALF: gl.constexpr, STACKED: gl.constexpr):
     """The state entering a chunk (its first row ``row`` of ``states`` viewed as rows of P) goes out through shared
@@ -242,7 +269,6 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
     acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
     token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
-    scalar_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
     # Columns past RD are not rotated; their boxes hold the next head's angles (zeros past the table's end).
     rotated = (n0 + gl.arange(0, BLOCK_HALF, gl.SliceLayout(0, k_layout)) < RD)[None, :]
@@ -250,19 +276,9 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
     cols = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
     tile = rows[:, None] * P + cols[None, :]
     # Stacked, state_lo is the whole state and state_hi is not used.
-    state_lo = gl.zeros([_STATE_ROWS, BLOCK_P], gl.float32, acc_layout)
-    state_hi = gl.zeros([_STATE_ROWS, BLOCK_P], gl.float32, acc_layout)
-    if FOLD_EARLIER:
-        # The storing pass of two: s <- exp(segment log decay) s + end state, over the earlier segments.
-        chunk = gl.arange(0, BLOCK_SEG_CHUNKS, scalar_layout)
-        for earlier in range(0, seg):
-            chunk_ends = (earlier * CHUNKS_PER_SEG + chunk) * C + C - 1
-            segment_decay = gl.exp(gl.sum(gl.load(da_cs_ptr + bh * S + chunk_ends, mask=chunk < CHUNKS_PER_SEG,
-                                                  other=0.0), axis=0))
-            end_state = seg_state_ptr + (bh * N_SEGMENTS + earlier) * N * P + tile
-            state_lo = state_lo * segment_decay + gl.load(end_state)
-            if not STACKED:
-                state_hi = state_hi * segment_decay + gl.load(end_state + HALF * P)
+    state_lo, state_hi = entering_segment_state(seg_state_ptr, da_cs_ptr, bh, n0, p0, seg, S, CHUNKS_PER_SEG,
+                                                N_SEGMENTS, C, N, P, BLOCK_P, BLOCK_SEG_CHUNKS, STACKED, FOLD_EARLIER,
+                                                acc_layout, num_warps)
     # The per-token weights and the chunk decay are a few floats a chunk: loaded one chunk ahead from global memory
     # (1-D TMA boxes of them would land at shared addresses short of TMA's 128-byte alignment), or, with
     # RING_WEIGHTS, copied into the ring by the producer.

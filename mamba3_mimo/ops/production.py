@@ -86,6 +86,9 @@ WIDE_NARROW_SCAN = True
 MIN_CHUNKS_PER_SEGMENT = 4
 # Gluon state scan programs an SM (gluon_state_scan.py: 8 hardware warps at 128 registers a thread).
 GLUON_SCAN_PROGRAMS_PER_SM = 2
+# The fused storing scan's programs an SM (gluon_scan_outputs.py: 8 hardware warps at 128 registers, ~90 KB of
+# shared memory): its segments are as many as one wave of them holds.
+SCAN_OUTPUTS_PROGRAMS_PER_SM = 2
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -224,6 +227,11 @@ class ScanConfig:
     Gluon scan compute the tables' values from the angles themselves (``triton_utils.table_cos_sin``: the same numbers),
     and ``token_tables`` writes the cos / sin tables only where a Triton scan still reads them.  Where both take the
     angles, the call neither writes nor reads the tables: 8 bytes fewer an angle (docs/optimization.md section 50).
+    scan_outputs: with split_gate (raw_y stored, not gate_in_scan) and the Gluon scan, the call runs two passes and
+    its storing pass forms raw_y and qk_dot itself while each entering state is on chip (``gluon_scan_outputs``, where
+    it covers the call: N = 128, C * R = 64, ...): chunk_scan is not launched and ``states`` is not read back; the
+    D skip joins ``gate_grads``.  Its segments fill ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM
+    (docs/optimization.md section 51).
     """
 
     block_p: int
@@ -263,6 +271,7 @@ class ScanConfig:
     pdl: bool = False
     fold_one_scan: bool = False
     angles_in_kernels: bool = False
+    scan_outputs: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -643,6 +652,19 @@ def _gluon_scan(config, *, scan, states):
     return gluon_state_scan if gluon_state_scan.unsupported(**scan, states=states) is None else None
 
 
+def _scan_outputs(config, *, gluon, scan, q, states, qk_dot):
+    """The ``gluon_scan_outputs`` module where ``config`` asks for it (``scan_outputs`` with the stored raw_y and the
+    Gluon scan) and it covers this call, else None."""
+    if not (config.scan_outputs and config.split_gate and not config.gate_in_scan and gluon):
+        return None
+    from . import gluon_scan_outputs
+
+    rotation = {name: scan.get(name) for name in ("cos_angles", "sin_angles", "angles", "table_dtype")}
+    problem = gluon_scan_outputs.unsupported(q=q, k=scan["k"], v=scan["v"], states=states,
+                                             chunk_size=scan["chunk_size"], tensors=dict(qk_dot=qk_dot), **rotation)
+    return gluon_scan_outputs if problem is None else None
+
+
 def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
                        da_cs, da_cs_rev, dt, trap, states, qk_dot, dmimo_o, dmimo_z, dz,
                        chunk_size, dot_dtype, dot_precision, config=None):
@@ -702,15 +724,20 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 gluon = _gluon_scan(config, scan=scan, states=handoff)
         else:
             scan.update(from_angles)
+        fused = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot)
         wanted_segments = config.n_segments
-        if gluon and not config.local_states and config.gluon_segments:
+        if fused:
+            programs = B * H * (P // fused.BLOCK_P)
+            wanted_segments = max(1, min(SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs,
+                                         nch // MIN_CHUNKS_PER_SEGMENT))
+        elif gluon and not config.local_states and config.gluon_segments:
             wanted_segments = config.gluon_segments
         # Segments hold whole steps of both scans.
         span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
         chunks_per_segment = cdiv(cdiv(nch, wanted_segments), span) * span
         n_segments = cdiv(nch, chunks_per_segment)
         scan.update(n_segments=n_segments, chunks_per_segment=chunks_per_segment)
-        local = config.local_states and n_segments > 1
+        local = config.local_states and n_segments > 1 and not fused
         seg_entry = entry_decay = None
         if local:
             if gluon:
@@ -721,6 +748,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                                chunks_per_segment=chunks_per_segment,
                                                precise_exp=precise_exp(dot_dtype, da_cs),
                                                one_scan=config.fold_one_scan)
+        elif fused:
+            # The storing pass runs with the outputs below.
+            seg_end = gluon.gluon_segment_end_states(**scan)
         elif gluon:
             seg_end = gluon.gluon_segment_end_states(**scan)
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
@@ -739,7 +769,8 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
             rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
             defer_qk_dot=config.out_defer_qk_dot)
-        d_in_gate = config.d_in_gate and d is not None
+        # The fused storing pass leaves the D skip to gate_grads.
+        d_in_gate = (config.d_in_gate or fused is not None) and d is not None
         if config.split_gate and config.gate_in_scan:
             dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                      max_registers=config.out_max_registers,
@@ -753,13 +784,18 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 raw_y_dtype = raw_y_scratch_dtype(*activation_dtypes)
             raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype)
             raw_y_scale = None
+            scale_block_p = fused.BLOCK_P if fused else config.out_block_p
             if raw_y_dtype == torch.float16:
-                raw_y_scale = torch.empty((B, H, S, R, cdiv(P, config.out_block_p)), device=q.device,
+                raw_y_scale = torch.empty((B, H, S, R, cdiv(P, scale_block_p)), device=q.device,
                                           dtype=torch.float32)
-            chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
-                       max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
+            if fused:
+                fused.scan_outputs(**scan, q=q, q_bias=q_bias, states=handoff, seg_state=seg_end, qk_dot=qk_dot,
+                                   raw_y=raw_y, raw_y_scale=raw_y_scale, half_rotation=scan_rotation != tl.float32)
+            else:
+                chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
+                           max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
             skip = dict(v=v, mimo_v=mimo_v, d=d) if d_in_gate else {}
-            gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=config.out_block_p, dout=dout, z=z,
+            gate = dict(raw_y=raw_y, raw_y_scale=raw_y_scale, scale_block_p=scale_block_p, dout=dout, z=z,
                         mimo_o=mimo_o, mimo_z=mimo_z, dz=dz, tokens_per_program=config.gate_tokens, **skip)
             gate_kernel = functools.partial(gate_grads, tile_elements=config.gate_tile_elements,
                                             num_warps=config.gate_num_warps)
@@ -767,7 +803,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 from . import gluon_gate_grads
 
                 if gluon_gate_grads.unsupported(**gate, block_p=gluon_gate_grads.tile_columns(
-                        R=R, P=P, scale_block_p=config.out_block_p)) is None:
+                        R=R, P=P, scale_block_p=scale_block_p)) is None:
                     gate_kernel = gluon_gate_grads.gluon_gate_grads
             dphi, dzeta = gate_kernel(**gate)
         else:

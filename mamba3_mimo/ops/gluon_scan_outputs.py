@@ -1,0 +1,387 @@
+"""The storing state scan with chunk_scan's products, as one warp-specialized Gluon kernel for Hopper.
+
+In the two-pass schedule the storing scan (``gluon_state_scan``'s ``store`` role) holds the state entering each
+chunk and writes it to ``states``; chunk_scan then reads every one of those states back (134 MB at
+N128_P64_R4_C16, docs/optimization.md section 46) with q and k to form raw_y.  Here the storing pass forms raw_y
+itself while the state is on chip (``ScanConfig.scan_outputs``, section 51):
+
+    scores = q~ k~^T                                   [rows, rows]; same-token blocks are qk_dot
+    raw_y  = (scores * W) psiv + exp(da_cs) (q~ @ state_in)          [rows, P tile]
+    state  = exp(da_cs[C - 1]) state + k~^T @ (w psiv)               [N, P tile]
+
+with the same rows as the scan's boxes, rank-major (row = r * C + t), and W the causal decay / trapezoid weights of
+SPEC section 3.  The state entering the chunk is staged in shared memory in bf16 for its TMA store; the same buffer
+is the B operand of q~ @ state_in, so raw_y sees the bf16 states that chunk_scan would have read.  k~ is rotated
+once for the update and the scores.  raw_y goes to the scratch ``gate_grads`` reads (fp16 with a power of two per
+row and P tile, or fp32), qk_dot from the first P tile's programs; the D skip is left to ``gate_grads``.
+
+Partitions: a 1-warp producer streams each chunk's q and k (as [R, C, 64] boxes of [R, B * S, G * N], both N/2
+halves), cos / sin (or the fp32 angles) and v into a ring of shared-memory stages with TMA; the 4-warp consumer
+rotates q and k, weighs v, releases the stage and runs the chunk's seven wgmma.  One program per (P tile, segment,
+(b, h)) holds the whole [N, P tile] state.  What it covers (``unsupported``): a Hopper GPU, N = 128, a 32-wide P
+tile, C * R = 64 (one wgmma M), C a multiple of 8, S a multiple of C, bf16 q / k / v and states, 16-bit tables or
+the angles, within the 99 KB bound.  Like the Gluon scan, it does not run in the Triton interpreter: its values are
+tested on the GPU (``tests/test_gluon_scan_outputs.py``).
+"""
+
+import torch
+import triton
+from triton import knobs
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_state_scan import (
+    MAX_REGISTERS,
+    PRODUCER_REGISTERS,
+    SMEM_LIMIT,
+    STATE_ROWS,
+    _rows_layout,
+    _state_layout,
+    _store_entering_state,
+    descriptors,
+    entering_segment_state,
+)
+from .host_utils import cdiv, rotation_source
+from .launch import launch
+from .triton_utils import fp16_row_scaled, intra_chunk_weights, table_cos_sin
+
+BLOCK_HALF = 64  # N / 2: a program holds the whole state of its P tile
+BLOCK_P = 32  # the P tile: at 64 the operands and a stage pass the 99 KB bound
+ROWS = 64  # C * R: one wgmma M, the rows of the scores and of raw_y
+_ROWS = gl.constexpr(ROWS)  # the same, for the kernels
+_BLOCK_HALF = gl.constexpr(BLOCK_HALF)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs,
+              sin_bufs, v_bufs, ready, empty, b, h, g, t_first, p0, S, n_steps, C: gl.constexpr, N: gl.constexpr,
+              P: gl.constexpr, RD: gl.constexpr, FROM_ANGLES: gl.constexpr):
+    HALF: gl.constexpr = N // 2
+    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    # From angles, cos_desc is the fp32 angles' box (as many bytes as a 16-bit cos box and sin box together).
+    STEP_BYTES: gl.constexpr = (4 * k_desc.block_type.nbytes + (2 - FROM_ANGLES) * cos_desc.block_type.nbytes
+                                + v_desc.block_type.nbytes)
+    for i in range(n_steps):
+        stage = i % NUM_BUFFERS
+        # A fresh mbarrier counts as having completed phase 1, so the first pass through the ring does not wait.
+        mbarrier.wait(empty.index(stage), ((i // NUM_BUFFERS) & 1) ^ 1)
+        row = b * S + t_first + i * C
+        bar = ready.index(stage)
+        mbarrier.expect(bar, STEP_BYTES)
+        tma.async_copy_global_to_shared(k_desc, [0, row, g * N], bar, k_lo_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF], bar, k_hi_bufs.index(stage))
+        tma.async_copy_global_to_shared(q_desc, [0, row, g * N], bar, q_lo_bufs.index(stage))
+        tma.async_copy_global_to_shared(q_desc, [0, row, g * N + HALF], bar, q_hi_bufs.index(stage))
+        tma.async_copy_global_to_shared(cos_desc, [row, h * RD], bar, cos_bufs.index(stage))
+        if not FROM_ANGLES:
+            tma.async_copy_global_to_shared(sin_desc, [row, h * RD], bar, sin_bufs.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
+
+
+@gluon.jit
+def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r, C: gl.constexpr,
+                 layout: gl.constexpr, ROTATION_DTYPE: gl.constexpr):
+    """Rank ``r``'s [C, 64] rows of q or k from the stage: bias added, rotated, stored as bf16 operand rows."""
+    x_lo = lo_rows.slice(r * C, C).load(layout).to(ROTATION_DTYPE) + bias_lo.index(r).load(
+        gl.SliceLayout(0, layout))[None, :]
+    x_hi = hi_rows.slice(r * C, C).load(layout).to(ROTATION_DTYPE) + bias_hi.index(r).load(
+        gl.SliceLayout(0, layout))[None, :]
+    out_lo.slice(r * C, C).store((cos * x_lo - sin * x_hi).to(gl.bfloat16))
+    out_hi.slice(r * C, C).store((sin * x_lo + cos * x_hi).to(gl.bfloat16))
+
+
+@gluon.jit
+def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
+              qa_lo, qa_hi, ka_lo, ka_hi, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
+              q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
+              da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr, qk_dot_ptr,
+              bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
+              C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
+              BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
+              TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, num_warps: gl.constexpr):
+    HALF: gl.constexpr = N // 2
+    ROTATION_DTYPE: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
+    NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    P_TILES: gl.constexpr = P // BLOCK_P
+    x_layout: gl.constexpr = _rows_layout(_BLOCK_HALF, num_warps)
+    p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
+    token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
+    acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)  # states, q~ @ state and raw_y: [64, P tile]
+    score_layout: gl.constexpr = _state_layout(_ROWS, num_warps)  # [rows, rows]
+
+    rotated = (gl.arange(0, _BLOCK_HALF, gl.SliceLayout(0, x_layout)) < RD)[None, :]
+    state_lo, state_hi = entering_segment_state(seg_state_ptr, da_cs_ptr, bh, 0, p0, seg, S, CHUNKS_PER_SEG,
+                                                N_SEGMENTS, C, N, P, BLOCK_P, BLOCK_SEG_CHUNKS, False, True,
+                                                acc_layout, num_warps)
+    token = gl.arange(0, C, token_layout)
+    # Rows (r, t) of the scores and of raw_y, rank-major as the boxes land; columns (r', s) of the scores.
+    score_row = gl.arange(0, _ROWS, gl.SliceLayout(1, score_layout))
+    score_col = gl.arange(0, _ROWS, gl.SliceLayout(0, score_layout))
+    y_row = gl.arange(0, _ROWS, gl.SliceLayout(1, acc_layout))
+    y_col = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, acc_layout))
+    all_rows = score_row < _ROWS
+    all_cols = score_col < _ROWS
+    bh64 = bh.to(gl.int64)
+    for i in range(n_steps):
+        stage = i % NUM_BUFFERS
+        t0 = (c_first + i) * C
+        disc = bh * S + t0
+        # The chunk's per-token weights: a few floats from L2, asked for before the wait on its tiles.
+        da_rev = gl.load(da_rev_ptr + disc + token)
+        trap_scale = gl.load(trap_scale_ptr + disc + token)
+        decay = gl.exp(gl.load(da_cs_ptr + disc + C - 1))
+        da_row = gl.load(da_cs_ptr + disc + score_row % C)
+        da_col = gl.load(da_cs_ptr + disc + score_col % C)
+        gamma_row = gl.load(gamma_ptr + disc + score_row % C)
+        ts_col = gl.load(trap_scale_ptr + disc + score_col % C)
+        y_decay = gl.exp(gl.load(da_cs_ptr + disc + y_row % C))
+
+        mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
+        if TABLE_DTYPE is None:
+            cos = gl.where(rotated, cos_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 1.0)
+            sin = gl.where(rotated, sin_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 0.0)
+        else:
+            cos, sin = table_cos_sin(cos_bufs.index(stage).load(x_layout), TABLE_DTYPE, True)
+            cos = gl.where(rotated, cos.to(ROTATION_DTYPE), 1.0)
+            sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
+        v_rows = v_bufs.index(stage).load(p_layout).to(gl.float32)
+        v_weighted = v_rows * (gl.exp(da_rev) * trap_scale)[:, None]
+        q_lo_rows = q_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+        q_hi_rows = q_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+        k_lo_rows = k_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+        k_hi_rows = k_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+        for r in gl.static_range(R):
+            _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
+                         ROTATION_DTYPE)
+            _rotate_into(q_lo_rows, q_hi_rows, q_bias_lo, q_bias_hi, cos, sin, qa_lo, qa_hi, r, C, x_layout,
+                         ROTATION_DTYPE)
+            psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))[None, :]
+            psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
+            psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(stage), count=1)
+
+        # The entering state leaves by TMA from out_lo / out_hi, which are also q~ @ state_in's B operand.
+        _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
+                              (bh * NCH + c_first + i) * N, p0, HALF, False)
+        out_lo = out_lo_smem.index(0)
+        out_hi = out_hi_smem.index(0)
+        scores = warpgroup_mma(qa_lo, ka_lo.permute((1, 0)), gl.zeros([_ROWS, _ROWS], gl.float32, score_layout),
+                               is_async=True)
+        scores = warpgroup_mma(qa_hi, ka_hi.permute((1, 0)), scores, is_async=True)
+        y_state = warpgroup_mma(qa_lo, out_lo, gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), is_async=True)
+        y_state = warpgroup_mma(qa_hi, out_hi, y_state, is_async=True)
+        state_lo = warpgroup_mma(ka_lo.permute((1, 0)), psiv_w_smem, state_lo * decay, is_async=True)
+        state_hi = warpgroup_mma(ka_hi.permute((1, 0)), psiv_w_smem, state_hi * decay, is_async=True)
+        # The update's two products stay in flight while the scores are weighed.
+        scores, y_state = warpgroup_mma_wait(2, deps=(scores, y_state))
+
+        weights = intra_chunk_weights(score_row % C, score_col % C, all_rows, all_cols, da_row, da_col, gamma_row,
+                                      ts_col)
+        # q~'s low operand has been read by both of its products: it takes the weighed scores, raw_y's A operand.
+        qa_lo.store((scores * weights).to(gl.bfloat16))
+        fence_async_shared()
+        raw_y = warpgroup_mma(qa_lo, psiv_smem, y_decay[:, None] * y_state, is_async=True)
+        if pid_p == 0:
+            # qk_dot [B, H, S, R, R]: the same-token entries of the scores (the rotation preserves those dots).
+            same = (score_row % C)[:, None] == (score_col % C)[None, :]
+            qk_offs = ((bh64 * S + t0 + score_row % C) * R + score_row // C)[:, None] * R + (score_col // C)[None, :]
+            gl.store(qk_dot_ptr + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=same)
+        raw_y, state_lo, state_hi = warpgroup_mma_wait(0, deps=(raw_y, state_lo, state_hi))
+
+        # raw_y [B, H, S, R, P]: row (r, t) of the chunk is row (t0 + t) * R + r of the (b, h) sequence.
+        seq_rows = (bh64 * S + t0 + y_row % C) * R + y_row // C
+        if SCALED_RAW_Y:
+            raw_y, row_unscale = fp16_row_scaled(raw_y)
+            gl.store(raw_y_scale_ptr + seq_rows * P_TILES + pid_p, row_unscale)
+        gl.store(raw_y_ptr + seq_rows[:, None] * P + y_col[None, :], raw_y.to(raw_y_ptr.dtype.element_ty))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc, da_cs_ptr, da_rev_ptr, gamma_ptr,
+                         trap_scale_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr,
+                         qk_dot_ptr, S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+                         C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
+                         BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
+                         num_warps: gl.constexpr, HALF_ROTATION: gl.constexpr = False,
+                         TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True):
+    """One program scans one segment of one (b, h) for one P tile of the whole state, storing the state entering
+    each chunk and the chunk's raw_y (and, in P tile 0, qk_dot).  The segment starts from the earlier segments'
+    end states folded (``seg_state``, from the end-state pass; unused with one segment)."""
+    HALF: gl.constexpr = N // 2
+    pid_p = gl.program_id(0)
+    seg = gl.program_id(1)
+    bh = gl.program_id(2)
+    b = bh // H
+    h = bh % H
+    g = h // (H // G)
+    p0 = pid_p * BLOCK_P
+    c_first = seg * CHUNKS_PER_SEG
+    n_steps = gl.minimum(CHUNKS_PER_SEG, NCH - c_first)
+
+    x_box: gl.constexpr = [NUM_BUFFERS] + k_desc.block_type.shape
+    q_lo_bufs = gl.allocate_shared_memory(q_desc.dtype, x_box, q_desc.layout)
+    q_hi_bufs = gl.allocate_shared_memory(q_desc.dtype, x_box, q_desc.layout)
+    k_lo_bufs = gl.allocate_shared_memory(k_desc.dtype, x_box, k_desc.layout)
+    k_hi_bufs = gl.allocate_shared_memory(k_desc.dtype, x_box, k_desc.layout)
+    cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
+    FROM_ANGLES: gl.constexpr = TABLE_DTYPE is not None
+    if FROM_ANGLES:
+        sin_bufs = cos_bufs
+    else:
+        sin_bufs = gl.allocate_shared_memory(sin_desc.dtype, [NUM_BUFFERS] + sin_desc.block_type.shape,
+                                             sin_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    # The products' operands, rows (rank, token): q~ and k~ per N/2 half, the weighted psiv (the update's B) and the
+    # plain psiv (raw_y's B).
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, _BLOCK_HALF], gl.bfloat16)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, BLOCK_P], gl.bfloat16)
+    qa_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    qa_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    ka_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    ka_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    psiv_w_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
+    psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
+    store_shape: gl.constexpr = [1] + states_desc.block_type.shape
+    out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
+    out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
+
+    # The head's q / k bias rows and Psi tile, read once into shared memory (rank-1 layouts: a row is one vector).
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    bias_dtype: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
+    q_bias_lo = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
+    q_bias_hi = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
+    k_bias_lo = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
+    k_bias_hi = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
+    psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], plain)
+    col = gl.arange(0, _BLOCK_HALF, row_layout)
+    psi_col = p0 + gl.arange(0, BLOCK_P, row_layout)
+    for r in gl.static_range(R):
+        bias_row = (h * R + r) * N + col
+        q_bias_lo.index(r).store(gl.load(q_bias_ptr + bias_row).to(bias_dtype))
+        q_bias_hi.index(r).store(gl.load(q_bias_ptr + HALF + bias_row).to(bias_dtype))
+        k_bias_lo.index(r).store(gl.load(k_bias_ptr + bias_row).to(bias_dtype))
+        k_bias_hi.index(r).store(gl.load(k_bias_ptr + HALF + bias_row).to(bias_dtype))
+        psi_smem.index(r).store(gl.load(psi_ptr + (h * R + r) * P + psi_col))
+
+    gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
+    gl.warp_specialize([
+        (_consumer, (q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
+                     qa_lo, qa_hi, ka_lo, ka_hi, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
+                     q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
+                     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr,
+                     qk_dot_ptr, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
+                     C, R, N, P, RD, BLOCK_P, BLOCK_SEG_CHUNKS, HALF_ROTATION, TABLE_DTYPE, SCALED_RAW_Y,
+                     num_warps)),
+        (_producer, (q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs,
+                     cos_bufs, sin_bufs, v_bufs, ready, empty, b, h, g, c_first * C, p0, S, n_steps, C, N, P, RD,
+                     FROM_ANGLES)),
+    ], [1], [PRODUCER_REGISTERS])
+
+
+def shared_bytes(*, C, R, num_buffers=1, half_rotation=False):
+    """The kernel's shared memory at N = 128 and the 32-wide P tile: the ring's stages (q and k, the angles or the
+    two 16-bit tables, v), the four [rows, 64] q~ / k~ operands, the two psiv, the state-store buffers and the
+    bias / Psi rows (the bias in the rotation's dtype: fp32, or bf16 with ``half_rotation``).  The compiler adds
+    barriers and alignment (a few hundred bytes)."""
+    stage = 4 * R * C * BLOCK_HALF * 2 + C * BLOCK_HALF * 4 + C * BLOCK_P * 2
+    fixed = 4 * ROWS * BLOCK_HALF * 2 + 2 * ROWS * BLOCK_P * 2 + 2 * STATE_ROWS * BLOCK_P * 2
+    fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * BLOCK_P * 4
+    return fixed + num_buffers * stage
+
+
+def ring_depth(*, C, R):
+    """The deepest ring (1 or 2 stages) within the 99 KB bound, with 768 bytes for what the model leaves out."""
+    return 2 if shared_bytes(C=C, R=R, num_buffers=2) + 768 <= SMEM_LIMIT else 1
+
+
+def shape_problems(*, S, R, N, P, chunk_size, dtypes):
+    """What keeps the kernel from covering this problem: a list of reasons, empty where it does.
+    ``dtypes``: (q, k, v, states) and the rotation tables' (or the angles' table dtype)."""
+    C = chunk_size
+    problems = []
+    if N != 2 * BLOCK_HALF:
+        problems.append(f"N = {2 * BLOCK_HALF}, got N={N}")
+    if P % BLOCK_P:
+        problems.append(f"P a multiple of {BLOCK_P}, got P={P}")
+    if C * R != ROWS or C % 8:
+        problems.append(f"C * R = {ROWS} with C a multiple of 8, got C={C}, R={R}")
+    elif shared_bytes(C=C, R=R) + 768 > SMEM_LIMIT:
+        problems.append(f"one ring stage within {SMEM_LIMIT} bytes of shared memory, got C={C}, R={R}")
+    if S % C:
+        problems.append(f"S a multiple of C, got S={S}, C={C}")
+    *activations, table_dtype = dtypes
+    if set(activations) != {torch.bfloat16} or table_dtype not in (torch.float16, torch.bfloat16):
+        problems.append(f"bf16 q, k, v and states with 16-bit tables, got {dtypes}")
+    return problems
+
+
+def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None, angles=None, table_dtype=None,
+                tensors=()):
+    """None where the kernel covers this call (the scan and output arguments as ``scan_outputs`` takes them), else
+    the reason: a Hopper GPU outside the interpreter, contiguous 16-byte aligned tensors (``tensors`` names more to
+    check), and ``shape_problems``."""
+    if not q.is_cuda or knobs.runtime.interpret or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs a Hopper GPU (wgmma, TMA) outside the Triton interpreter"
+    trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
+    named = dict(q=q, k=k, v=v, states=states, cos_angles=trig["cos_angles"], sin_angles=trig["sin_angles"],
+                 **dict(tensors))
+    for name, tensor in named.items():
+        if tensor is not None and (not tensor.is_contiguous() or tensor.data_ptr() % 16):
+            return f"needs {name} contiguous and 16-byte aligned"
+    _, S, R, _, N = q.shape
+    problems = shape_problems(S=S, R=R, N=N, P=v.shape[3], chunk_size=chunk_size,
+                              dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]))
+    if (v.shape[2] * trig["RD"] * 2) % 16:
+        problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {v.shape[2] * trig['RD']}")
+    return "; ".join(problems) or None
+
+
+def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
+                 raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
+                 angles=None, table_dtype=None, half_rotation=False, **_unused):
+    """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
+    skip), through one kernel.
+
+    q, k [B, S, R, G, N] bf16, v [B, S, H, P] bf16; q_bias / k_bias [H, R, N] fp32, mimo_v [H, R, P] fp32;
+    da_cs / da_cs_rev / gamma / trap_scale [B, H, S] fp32 (chunk-local cumsums, ``token_tables``' weights); the
+    cos / sin tables [B, S, H, RD] (16-bit), or ``angles`` [B, S, H, RD] fp32 with the ``table_dtype`` they stand for;
+    seg_state [B, H, n_segments, N, P] fp32 end states of ``gluon_segment_end_states`` (None with one segment).
+    Writes states [B, H, nch, N, P] bf16, qk_dot [B, H, S, R, R], raw_y [B, H, S, R, P] (fp16 with raw_y_scale
+    [B, H, S, R, P / 32] fp32, the factor undoing each row's power of two, or fp32 with raw_y_scale None).
+    ``half_rotation``: q's and k's bias add and rotation in bf16."""
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
+    problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=chunk_size,
+                              dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]))
+    if problems:
+        raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
+    found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
+                        chunk_size=chunk_size, block_p=BLOCK_P, angles=angles)
+    q_desc = descriptors(k=q, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
+                         chunk_size=chunk_size, block_p=BLOCK_P, angles=angles)["k_desc"]
+    launch(_scan_outputs_kernel, (P // BLOCK_P, n_segments, B * H),
+           q_desc, found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"], found["states_desc"],
+           da_cs, da_cs_rev, gamma, trap_scale, q_bias, k_bias, mimo_v,
+           trap_scale if seg_state is None else seg_state, raw_y, raw_y if raw_y_scale is None else raw_y_scale,
+           qk_dot, S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
+           C=chunk_size, R=R, N=N, P=P, RD=trig["RD"], BLOCK_P=BLOCK_P, NUM_BUFFERS=ring_depth(C=chunk_size, R=R),
+           BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=MAX_REGISTERS,
+           HALF_ROTATION=half_rotation, SCALED_RAW_Y=raw_y_scale is not None,
+           **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}))
