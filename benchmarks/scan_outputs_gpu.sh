@@ -19,6 +19,6 @@ want tests && { MAMBA3_MIMO_CHECK_PLAN=1 timeout ${TESTS_TIMEOUT:-300} python3 -
   tests/test_gluon_scan_outputs.py 2>&1 | tee "$OUT/scan_outputs_tests_full.log" | tail -n 12 || status=1; }
 # shellcheck disable=SC2086  # CASES is a list
 want sweep && { MAMBA3_MIMO_CHECK_PLAN=0 timeout ${SWEEP_TIMEOUT:-240} python3 -m mamba3_mimo.bench --sweep \
-  --knobs scan_outputs --impl production --breakdown --cases $CASES --json "$OUT/sweep_scan_outputs.json" 2>&1 \
+  --knobs "${KNOBS:-scan_outputs=1+gluon_segments=0:2:4:8}" --impl production --breakdown --cases $CASES --json "$OUT/sweep_scan_outputs.json" 2>&1 \
   | tail -n 40 || status=1; }
 exit $status

@@ -230,8 +230,8 @@ class ScanConfig:
     scan_outputs: with split_gate (raw_y stored, not gate_in_scan) and the Gluon scan, the call runs two passes and
     its storing pass forms raw_y and qk_dot itself while each entering state is on chip (``gluon_scan_outputs``, where
     it covers the call: N = 128, C * R = 64, ...): chunk_scan is not launched and ``states`` is not read back; the
-    D skip joins ``gate_grads``.  Its segments fill ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM
-    (docs/optimization.md section 51).
+    D skip joins ``gate_grads``.  Its segments are ``gluon_segments``, or (0) as many as fill
+    ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM (docs/optimization.md section 51).
     """
 
     block_p: int
@@ -727,9 +727,10 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         fused = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot)
         wanted_segments = config.n_segments
         if fused:
+            # gluon_segments, or as many as one wave of programs holds.
             programs = B * H * (P // fused.BLOCK_P)
-            wanted_segments = max(1, min(SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs,
-                                         nch // MIN_CHUNKS_PER_SEGMENT))
+            wanted_segments = config.gluon_segments or max(1, min(
+                SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs, nch // MIN_CHUNKS_PER_SEGMENT))
         elif gluon and not config.local_states and config.gluon_segments:
             wanted_segments = config.gluon_segments
         # Segments hold whole steps of both scans.
@@ -749,8 +750,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                                precise_exp=precise_exp(dot_dtype, da_cs),
                                                one_scan=config.fold_one_scan)
         elif fused:
-            # The storing pass runs with the outputs below.
-            seg_end = gluon.gluon_segment_end_states(**scan)
+            # The storing pass runs with the outputs below.  The end-state pass over the fused kernel's P tile: twice
+            # the programs of the 64-wide one, for a pass that has one segment fewer than the storing pass.
+            seg_end = gluon.gluon_segment_end_states(**dict(scan, block_p=fused.BLOCK_P))
         elif gluon:
             seg_end = gluon.gluon_segment_end_states(**scan)
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
