@@ -136,7 +136,7 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
-             "out_defer_qk_dot", "angles_in_kernels", "block_p", "out_max_registers", "n_segments",
+             "out_defer_qk_dot", "angles_in_kernels", "scan_outputs", "block_p", "out_max_registers", "n_segments",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
     assert not any(getattr(plain, name) for name in knobs[:-7])
     # The Gluon scan's P tile at N = 64 is 64 wide (section 47); elsewhere the plain rule's.
@@ -175,6 +175,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.out_defer_qk_dot is (case == "N128_P128_R4_C8")
     # cos / sin from the angles where the Gluon scan runs (N >= 64), but at N128_P128 (H100, section 50).
     assert config.angles_in_kernels is (parse_case(case)["N"] >= 64 and case != "N128_P128_R4_C8")
+    # The fused storing scan where its 32-wide P tile is all of P, with the gate after it (section 51).
+    assert config.scan_outputs is (case == "N128_P32_R4_C16" and has_z)
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

@@ -528,6 +528,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # N128_P32 264 -> 250, R8_C8 665 -> 624, R2_C32 217 -> 206, R1_C64 144 -> 136; N128_P128 667 -> 671 (chunk_scan's
     # spill at its 168 cap 8 -> 14 B), left off there.
     angles_in_kernels = bool(swept and split_gate and N >= 64 and not (N >= 128 and p_pow >= 128))
+    # The fused storing scan (section 51) where its 32-wide P tile is all of P.  H100, 224e676, graph us (off -> on,
+    # segments of one wave): N128_P32_R4_C16 250.6 -> 229.0 (chunk_scan 153 + scan 50 -> fused pass 142 + end pass
+    # 43).  Over two P tiles each program rotates q and k for half the columns and it loses: N128_P64_R4_C16 336 ->
+    # 415, R8_C8 623 -> 813, R2_C32 205 -> 256.
+    scan_outputs = bool(swept and split_gate and not gate_in_scan and N == 128 and P == 32 and chunk_size * R == 64)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
@@ -538,7 +543,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       out_q_cast_early=out_half_rotation, out_y_state_early=out_half_rotation, gluon_scan=swept,
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
-                      out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels)
+                      out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels,
+                      scan_outputs=scan_outputs)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
