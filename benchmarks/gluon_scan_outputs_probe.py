@@ -43,14 +43,14 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=C, dtypes=(torch.bfloat16,) * 4 + (table,))
     assert not problems, problems
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
-    fake = dict(k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
+    fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)),
+                v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
                 cos_angles=_Shaped(base[table], (B, S, H, N // 4)), sin_angles=_Shaped(base[table], (B, S, H, N // 4)),
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
     if from_angles:
         fake.update(cos_angles=None, sin_angles=None, angles=_Shaped(base[torch.float32], (B, S, H, N // 4)))
     found = descriptors(**fake, chunk_size=C, block_p=BLOCK_P)
     types = {name: mangle_type(desc) for name, desc in found.items()}
-    types["q_desc"] = types["k_desc"]
     types.update({name: "*fp32" for name in ("da_cs_ptr", "da_rev_ptr", "gamma_ptr", "trap_scale_ptr", "q_bias_ptr",
                                              "k_bias_ptr", "psi_ptr", "seg_state_ptr", "raw_y_scale_ptr")})
     types.update(raw_y_ptr="*fp16" if scaled_raw_y else "*fp32", qk_dot_ptr="*bf16")

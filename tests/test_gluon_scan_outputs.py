@@ -161,3 +161,33 @@ def test_scan_outputs_agree_with_chunk_scan(monkeypatch):
     for name, got, want in zip(("qk_dot", "dmimo_o", "dmimo_z", "dz"), fused[1:], plain[1:]):
         scale = want.float().abs().max().item()
         assert (got.float() - want.float()).abs().max().item() <= 2 ** -6 * scale, name
+
+
+def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch):
+    """The wrapper's launch on the CPU, the kernel replaced by a recorder: one program per (P tile, segment, (b, h)),
+    q's and k's descriptors over their own tensors with the same rank-major [R, C, 64] boxes, the angles' box, and
+    the fold's end states (or a stand-in with one segment)."""
+    launched = []
+    monkeypatch.setattr(gluon_scan_outputs, "launch", lambda kernel, grid, *args, **constants: launched.append(
+        (grid, args, constants)))
+    inputs = make_inputs(B=1, S=64, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=torch.bfloat16, seed=3)
+    B, S, H, P, R, N, C = 1, 64, 2, 64, 4, 128, 16
+    weights = torch.rand(2, B, H, S)
+    outputs = dict(states=torch.empty(B, H, S // C, N, P, dtype=torch.bfloat16),
+                   qk_dot=torch.empty(B, H, S, R, R, dtype=torch.bfloat16),
+                   raw_y=torch.empty(B, H, S, R, P, dtype=torch.float16),
+                   raw_y_scale=torch.empty(B, H, S, R, P // gluon_scan_outputs.BLOCK_P))
+    seg_state = torch.empty(B, H, 2, N, P)
+    gluon_scan_outputs.scan_outputs(
+        q=inputs["q"], k=inputs["k"], v=inputs["v"], q_bias=inputs["q_bias"], k_bias=inputs["k_bias"],
+        mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=weights[0],
+        trap_scale=weights[1], seg_state=seg_state, chunk_size=C, n_segments=2, chunks_per_segment=2,
+        angles=inputs["angles"], table_dtype=torch.float16, **outputs)
+    (grid, args, constants), = launched
+    assert grid == (P // gluon_scan_outputs.BLOCK_P, 2, B * H)
+    q_desc, k_desc, angle_desc = args[:3]
+    assert q_desc.base is inputs["q"] and k_desc.base is inputs["k"] and angle_desc.base is inputs["angles"]
+    assert list(q_desc.block_shape) == list(k_desc.block_shape) == [R, C, gluon_scan_outputs.BLOCK_HALF]
+    assert list(q_desc.shape) == list(k_desc.shape) == [R, B * S, N]
+    assert args[13] is seg_state and args[14] is outputs["raw_y"] and args[15] is outputs["raw_y_scale"]
+    assert constants["SCALED_RAW_Y"] and constants["NUM_BUFFERS"] == gluon_scan_outputs.ring_depth(C=C, R=R)

@@ -373,11 +373,9 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     if problems:
         raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
-                        chunk_size=chunk_size, block_p=BLOCK_P, angles=angles)
-    q_desc = descriptors(k=q, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
-                         chunk_size=chunk_size, block_p=BLOCK_P, angles=angles)["k_desc"]
+                        chunk_size=chunk_size, block_p=BLOCK_P, angles=angles, q=q)
     launch(_scan_outputs_kernel, (P // BLOCK_P, n_segments, B * H),
-           q_desc, found["k_desc"], found["cos_desc"], found["sin_desc"], found["v_desc"], found["states_desc"],
+           *(found[name] for name in ("q_desc", "k_desc", "cos_desc", "sin_desc", "v_desc", "states_desc")),
            da_cs, da_cs_rev, gamma, trap_scale, q_bias, k_bias, mimo_v,
            trap_scale if seg_state is None else seg_state, raw_y, raw_y if raw_y_scale is None else raw_y_scale,
            qk_dot, S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,

@@ -517,9 +517,10 @@ def unsupported(*, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_re
     return "; ".join(problems) or None
 
 
-def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, angles=None):
+def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, angles=None, q=None):
     """The kernel's TMA descriptors (host-side, so no program builds one).  With ``angles`` (cos_angles and
-    sin_angles None), cos_desc and sin_desc are both one box of the fp32 angles."""
+    sin_angles None), cos_desc and sin_desc are both one box of the fp32 angles.  With ``q`` (shaped as k), also
+    ``q_desc``, q's boxes as k's (``gluon_scan_outputs``)."""
     B, S, R, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     RD = (cos_angles if angles is None else angles).shape[3]
@@ -540,7 +541,7 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, an
         # which is conflict-free without it).
         cos_desc = sin_desc = box(angles, [B * S, H * RD], [H * RD, 1], [C, HALF],
                                   gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    return dict(
+    found = dict(
         # k viewed as [R, B * S, G * N]: a box is one chunk's rows, rank-major.
         k_desc=box(k, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF]),
         cos_desc=cos_desc,
@@ -548,6 +549,9 @@ def descriptors(*, k, v, cos_angles, sin_angles, states, chunk_size, block_p, an
         v_desc=box(v, [B * S, H * P], [H * P, 1], [C, block_p]),
         states_desc=box(states, [states_rows, states.shape[4]], [states.shape[4], 1], [STATE_ROWS, block_p]),
     )
+    if q is not None:
+        found["q_desc"] = box(q, [R, B * S, G * N], [G * N, R * G * N, 1], [R, C, HALF])
+    return found
 
 
 ROLES = {
