@@ -45,6 +45,7 @@ from .gluon_state_scan import (
     _rows_layout,
     _state_layout,
     _store_entering_state,
+    biased_rank_rows,
     descriptors,
     entering_segment_state,
 )
@@ -89,10 +90,7 @@ def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, 
 def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r, C: gl.constexpr,
                  layout: gl.constexpr, ROTATION_DTYPE: gl.constexpr):
     """Rank ``r``'s [C, 64] rows of q or k from the stage: bias added, rotated, stored as bf16 operand rows."""
-    x_lo = lo_rows.slice(r * C, C).load(layout).to(ROTATION_DTYPE) + bias_lo.index(r).load(
-        gl.SliceLayout(0, layout))[None, :]
-    x_hi = hi_rows.slice(r * C, C).load(layout).to(ROTATION_DTYPE) + bias_hi.index(r).load(
-        gl.SliceLayout(0, layout))[None, :]
+    x_lo, x_hi = biased_rank_rows(lo_rows, hi_rows, bias_lo, bias_hi, r, C, layout, ROTATION_DTYPE)
     out_lo.slice(r * C, C).store((cos * x_lo - sin * x_hi).to(gl.bfloat16))
     out_hi.slice(r * C, C).store((sin * x_lo + cos * x_hi).to(gl.bfloat16))
 

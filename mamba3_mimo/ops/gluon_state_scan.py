@@ -144,6 +144,16 @@ def _chunk_weights(da_rev_ptr, trap_scale_ptr, da_cs_ptr, at, token, valid, C: g
 
 
 @gluon.jit
+def biased_rank_rows(lo_rows, hi_rows, bias_lo, bias_hi, r, C: gl.constexpr, layout: gl.constexpr,
+                     DTYPE: gl.constexpr):
+    """Rank ``r``'s [C, 64] rows of both N/2 halves from a stage's rank-major [R * C, 64] rows, in DTYPE, with the
+    rank's bias rows (``bias_lo`` / ``bias_hi`` [R, 64] in shared memory) added."""
+    x_lo = lo_rows.slice(r * C, C).load(layout).to(DTYPE) + bias_lo.index(r).load(gl.SliceLayout(0, layout))[None, :]
+    x_hi = hi_rows.slice(r * C, C).load(layout).to(DTYPE) + bias_hi.index(r).load(gl.SliceLayout(0, layout))[None, :]
+    return x_lo, x_hi
+
+
+@gluon.jit
 def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, ready,
                     empty, a_lo, a_hi, psiv, bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev,
                     trap_scale, C: gl.constexpr, R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr,
@@ -176,10 +186,8 @@ def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_buf
     k_lo_rows = k_lo_bufs.index(stage).reshape([R * C, BLOCK_HALF])
     k_hi_rows = k_hi_bufs.index(stage).reshape([R * C, BLOCK_HALF])
     for r in gl.static_range(R):
-        k_lo = k_lo_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_lo_smem.index(r).load(
-            gl.SliceLayout(0, k_layout))[None, :]
-        k_hi = k_hi_rows.slice(r * C, C).load(k_layout).to(ROTATION_DTYPE) + bias_hi_smem.index(r).load(
-            gl.SliceLayout(0, k_layout))[None, :]
+        k_lo, k_hi = biased_rank_rows(k_lo_rows, k_hi_rows, bias_lo_smem, bias_hi_smem, r, C, k_layout,
+                                      ROTATION_DTYPE)
         if STACKED:
             # One [C, 64] row block [lo | hi] (joined in registers: one store, where two column slices took a
             # barrier more a rank).
