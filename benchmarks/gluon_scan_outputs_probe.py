@@ -18,11 +18,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gluon_scan_probe import _Shaped, parse_case, summary  # noqa: E402
 
 from mamba3_mimo.ops.gluon_scan_outputs import (  # noqa: E402
-    BLOCK_P,
     MAX_REGISTERS,
     _scan_outputs_kernel,
     descriptors,
-    ring_depth,
+    plan,
     shape_problems,
 )
 
@@ -30,8 +29,10 @@ from mamba3_mimo.ops.gluon_scan_outputs import (  # noqa: E402
 CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32"]
 
 
-def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True):
-    """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed."""
+def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
+                     block_p=None):
+    """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed, at ``plan``'s P
+    tile (``block_p``: that one)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -40,8 +41,10 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     B, S, H = 4, 2048, 16
     table = torch.bfloat16 if half_rotation else torch.float16
-    problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=C, dtypes=(torch.bfloat16,) * 4 + (table,))
+    problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=C, dtypes=(torch.bfloat16,) * 4 + (table,),
+                              half_rotation=half_rotation, block_p=block_p)
     assert not problems, problems
+    layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)),
                 v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
@@ -49,16 +52,17 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
                 states=_Shaped(base[torch.bfloat16], (B, H, S // C, N, P)))
     if from_angles:
         fake.update(cos_angles=None, sin_angles=None, angles=_Shaped(base[torch.float32], (B, S, H, N // 4)))
-    found = descriptors(**fake, chunk_size=C, block_p=BLOCK_P)
+    found = descriptors(**fake, chunk_size=C, block_p=layout.block_p)
     types = {name: mangle_type(desc) for name, desc in found.items()}
     types.update({name: "*fp32" for name in ("da_cs_ptr", "da_rev_ptr", "gamma_ptr", "trap_scale_ptr", "q_bias_ptr",
                                              "k_bias_ptr", "psi_ptr", "seg_state_ptr", "raw_y_scale_ptr")})
     types.update(raw_y_ptr="*fp16" if scaled_raw_y else "*fp32", qk_dot_ptr="*bf16")
     types.update({name: "i32" for name in ("S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
-    constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=BLOCK_P, NUM_BUFFERS=ring_depth(C=C, R=R),
+    constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=layout.block_p, NUM_BUFFERS=layout.num_buffers,
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
                      HALF_ROTATION=half_rotation, SCALED_RAW_Y=scaled_raw_y,
-                     TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None)
+                     TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None,
+                     Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _scan_outputs_kernel.arg_names}
     source = GluonASTSource(_scan_outputs_kernel, signature, constants)
@@ -72,11 +76,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     records = []
     for case in args.cases:
-        for half_rotation in (False, True):
-            record = dict(case=case, half_rotation=half_rotation,
-                          **summary(compile_for_sm90(case, half_rotation=half_rotation)))
-            print(record, flush=True)
-            records.append(record)
+        P = parse_case(case)["P"]
+        for block_p in (32, 64) if P % 64 == 0 else (32,):
+            for half_rotation in (False, True):
+                layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
+                              half_rotation=half_rotation, block_p=block_p)
+                record = dict(case=case, half_rotation=half_rotation, **layout._asdict(),
+                              **summary(compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p)))
+                print(record, flush=True)
+                records.append(record)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(records, out, indent=1)

@@ -48,13 +48,17 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
     for record in compiled:
         shape = gluon_scan_outputs_probe.parse_case(record["case"])
         C, R = shape["chunk_size"], shape["R"]
-        model = gluon_scan_outputs.shared_bytes(C=C, R=R, num_buffers=gluon_scan_outputs.ring_depth(C=C, R=R),
-                                                half_rotation=record["half_rotation"])
+        layout = gluon_scan_outputs.plan(C=C, R=R, P=shape["P"], half_rotation=record["half_rotation"],
+                                         block_p=record["block_p"])
+        assert layout._asdict() == {name: record[name] for name in layout._fields}, record
+        assert layout.q_in_place == (layout.block_p == 64)
+        model = gluon_scan_outputs.shared_bytes(C=C, R=R, half_rotation=record["half_rotation"], **layout._asdict())
         assert record["shared"] <= gluon_state_scan.SMEM_LIMIT, record
         # The model counts every buffer; the compiler adds barriers and alignment.
         assert model <= record["shared"] <= model + 768, (model, record)
-        # No spill, but at C = 32 (32-row rank tiles of q and k to rotate): 128 B in fp32, 8 B in bf16.
-        assert record["stack"] <= (0 if C <= 16 else 128), record
+        # 32-wide: no spill, but at C = 32 (32-row rank tiles of q and k to rotate): 128 B in fp32, 8 B in bf16.
+        # 64-wide (twice the state, q~ @ state and raw_y columns at the same 232 registers): 80-192 B.
+        assert record["stack"] <= (192 if layout.block_p == 64 else 0 if C <= 16 else 128), record
         assert gluon_state_scan.PRODUCER_REGISTERS.value in record["setmaxnreg"], record
         # Seven products a chunk, each of several wgmma instructions.
         assert record["HGMMA"] >= 7, record
@@ -62,7 +66,7 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
 
 @pytest.mark.parametrize("change, message", [
     (dict(N=64), "N = 128"),
-    (dict(P=48), "P a multiple of 32"),
+    (dict(P=48), "a P tile of 32 or 64 dividing P"),
     (dict(R=4, chunk_size=8), "C * R = 64"),
     (dict(S=200), "S a multiple of C"),
     (dict(dtypes=(torch.float16,) * 4 + (torch.float16,)), "bf16 q, k, v and states"),
@@ -73,6 +77,23 @@ def test_shape_problems_name_the_reason(change, message):
     assert gluon_scan_outputs.shape_problems(**problem) == []
     problems = gluon_scan_outputs.shape_problems(**dict(problem, **change))
     assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_plan_takes_the_widest_p_tile_that_fits():
+    bf16 = dict(half_rotation=True)
+    assert gluon_scan_outputs.plan(C=16, R=4, P=64, **bf16) == (64, 1, True, True)
+    assert gluon_scan_outputs.plan(C=16, R=4, P=128, **bf16).block_p == 64
+    assert gluon_scan_outputs.plan(C=16, R=4, P=32, **bf16) == (32, 1, False, False)
+    assert gluon_scan_outputs.plan(C=16, R=4, P=64, block_p=32, **bf16) == (32, 1, False, False)
+    # fp32 bias rows or 32-token chunks leave no room for the weighed scores' buffer: they go over q~.
+    assert gluon_scan_outputs.plan(C=16, R=4, P=64) == (64, 1, True, False)
+    assert gluon_scan_outputs.plan(C=32, R=2, P=64, **bf16) == (64, 1, True, False)
+    assert gluon_scan_outputs.plan(C=16, R=4, P=96, block_p=64) is None
+    for C, R in ((16, 4), (8, 8), (32, 2)):
+        for half_rotation in (False, True):
+            layout = gluon_scan_outputs.plan(C=C, R=R, P=64, half_rotation=half_rotation)
+            shared = gluon_scan_outputs.shared_bytes(C=C, R=R, half_rotation=half_rotation, **layout._asdict())
+            assert shared + 768 <= gluon_state_scan.SMEM_LIMIT
 
 
 def test_one_chunk_of_64_rows_fits_one_stage_at_most():
@@ -100,12 +121,16 @@ def test_scan_outputs_knob_is_inert_where_the_kernel_does_not_apply(device):
 
 
 FUSED_CASES = [
-    # The dispatcher's form at N128_P64_R4_C16 (angles, bf16 rotation), the tables with fp32 rotation, C = 32 at
-    # P = 32, C = 8 at R = 8; with and without Z.
+    # The dispatcher's form at N128_P64_R4_C16 (angles, bf16 rotation: 64-wide, q in place, the weighed scores'
+    # buffer) and over two 32-wide tiles, the tables with fp32 rotation (64-wide, the weighed scores over q~), C = 32
+    # at P = 32 and at P = 64, C = 8 at R = 8, P = 128 over two 64-wide tiles; with and without Z.
     dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True),
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, block_p=32),
     dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=False, half=False, z=True),
     dict(N=128, P=32, R=2, chunk_size=32, S=256, H=2, G=1, angles=True, half=True, z=True),
+    dict(N=128, P=64, R=2, chunk_size=32, S=256, H=2, G=1, angles=True, half=True, z=True),
     dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=True),
+    dict(N=128, P=128, R=4, chunk_size=16, S=128, H=2, G=1, angles=True, half=True, z=True),
     dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=False),
 ]
 
@@ -113,29 +138,31 @@ FUSED_CASES = [
 def _spy(monkeypatch):
     from mamba3_mimo.ops import production
 
-    calls = []
+    calls, tiles = [], []
     fused = gluon_scan_outputs.scan_outputs
     monkeypatch.setattr(gluon_scan_outputs, "scan_outputs",
-                        lambda **kw: (calls.append(kw["n_segments"]), fused(**kw))[1])
+                        lambda **kw: (calls.append(kw["n_segments"]), tiles.append(kw["block_p"]), fused(**kw))[2])
     chunk_scan = production.chunk_scan
     monkeypatch.setattr(production, "chunk_scan", lambda **kw: (calls.append("chunk_scan"), chunk_scan(**kw))[1])
-    return calls
+    return calls, tiles
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"R{c['R']}-C{c['chunk_size']}-P{c['P']}"
-                         f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}")
+                         f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}"
+                         f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}")
 def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkeypatch, case):
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
-    calls = _spy(monkeypatch)
+    calls, tiles = _spy(monkeypatch)
     config = _config(case, scan_outputs=True, angles_in_kernels=case["angles"], scan_half_rotation=case["half"],
-                     out_half_rotation=case["half"])
+                     out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
                  z=case["z"], **shape)
     assert calls and "chunk_scan" not in calls, calls
     # Several segments: the storing pass folds the end-state pass's states.
     assert min(calls) > 1, calls
+    assert set(tiles) == {case.get("block_p", 64 if case["P"] % 64 == 0 else 32)}, tiles
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
@@ -145,7 +172,7 @@ def test_scan_outputs_agree_with_chunk_scan(monkeypatch):
     within 2^-6 of their largest (rows in another order, q~ rotated in the scan's form); a misplaced row or column
     moves them by far more."""
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")
-    calls = _spy(monkeypatch)
+    calls, _ = _spy(monkeypatch)
     case = FUSED_CASES[0]
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     inputs = make_inputs(B=2, dtype=torch.bfloat16, device="cuda", seed=11, dA_scale=0.1, **shape)
@@ -176,7 +203,7 @@ def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch):
     outputs = dict(states=torch.empty(B, H, S // C, N, P, dtype=torch.bfloat16),
                    qk_dot=torch.empty(B, H, S, R, R, dtype=torch.bfloat16),
                    raw_y=torch.empty(B, H, S, R, P, dtype=torch.float16),
-                   raw_y_scale=torch.empty(B, H, S, R, P // gluon_scan_outputs.BLOCK_P))
+                   raw_y_scale=torch.empty(B, H, S, R, 1))
     seg_state = torch.empty(B, H, 2, N, P)
     gluon_scan_outputs.scan_outputs(
         q=inputs["q"], k=inputs["k"], v=inputs["v"], q_bias=inputs["q_bias"], k_bias=inputs["k_bias"],
@@ -184,10 +211,13 @@ def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch):
         trap_scale=weights[1], seg_state=seg_state, chunk_size=C, n_segments=2, chunks_per_segment=2,
         angles=inputs["angles"], table_dtype=torch.float16, **outputs)
     (grid, args, constants), = launched
-    assert grid == (P // gluon_scan_outputs.BLOCK_P, 2, B * H)
+    # P = 64 in one 64-wide tile (fp32 bias rows: q rotated in place, the weighed scores over q~).
+    assert grid == (1, 2, B * H)
+    assert constants["BLOCK_P"] == 64 and constants["Q_IN_PLACE"] and not constants["WEIGHED_BUFFER"]
     q_desc, k_desc, angle_desc = args[:3]
     assert q_desc.base is inputs["q"] and k_desc.base is inputs["k"] and angle_desc.base is inputs["angles"]
     assert list(q_desc.block_shape) == list(k_desc.block_shape) == [R, C, gluon_scan_outputs.BLOCK_HALF]
     assert list(q_desc.shape) == list(k_desc.shape) == [R, B * S, N]
     assert args[13] is seg_state and args[14] is outputs["raw_y"] and args[15] is outputs["raw_y_scale"]
-    assert constants["SCALED_RAW_Y"] and constants["NUM_BUFFERS"] == gluon_scan_outputs.ring_depth(C=C, R=R)
+    assert constants["SCALED_RAW_Y"] and constants["NUM_BUFFERS"] == 1
+    assert list(args[4].block_shape) == [C, 64] and list(args[5].block_shape) == [64, 64]  # v and states boxes

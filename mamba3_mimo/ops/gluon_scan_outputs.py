@@ -24,6 +24,8 @@ the angles, within the 99 KB bound.  Like the Gluon scan, it does not run in the
 tested on the GPU (``tests/test_gluon_scan_outputs.py``).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 from triton import knobs
@@ -54,7 +56,6 @@ from .launch import launch
 from .triton_utils import fp16_row_scaled, intra_chunk_weights, table_cos_sin
 
 BLOCK_HALF = 64  # N / 2: a program holds the whole state of its P tile
-BLOCK_P = 32  # the P tile: at 64 the operands and a stage pass the 99 KB bound
 ROWS = 64  # C * R: one wgmma M, the rows of the scores and of raw_y
 _ROWS = gl.constexpr(ROWS)  # the same, for the kernels
 _BLOCK_HALF = gl.constexpr(BLOCK_HALF)
@@ -62,13 +63,15 @@ _BLOCK_HALF = gl.constexpr(BLOCK_HALF)
 
 @gluon.jit
 def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs,
-              sin_bufs, v_bufs, ready, empty, b, h, g, t_first, p0, S, n_steps, C: gl.constexpr, N: gl.constexpr,
-              P: gl.constexpr, RD: gl.constexpr, FROM_ANGLES: gl.constexpr):
+              sin_bufs, v_bufs, ready, empty, q_ready, q_empty, b, h, g, t_first, p0, S, n_steps, C: gl.constexpr,
+              N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, FROM_ANGLES: gl.constexpr,
+              Q_IN_PLACE: gl.constexpr):
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    NUM_Q_BUFFERS: gl.constexpr = q_lo_bufs.type.shape[0]
     # From angles, cos_desc is the fp32 angles' box (as many bytes as a 16-bit cos box and sin box together).
-    STEP_BYTES: gl.constexpr = (4 * k_desc.block_type.nbytes + (2 - FROM_ANGLES) * cos_desc.block_type.nbytes
-                                + v_desc.block_type.nbytes)
+    STEP_BYTES: gl.constexpr = ((2 if Q_IN_PLACE else 4) * k_desc.block_type.nbytes
+                                + (2 - FROM_ANGLES) * cos_desc.block_type.nbytes + v_desc.block_type.nbytes)
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         # A fresh mbarrier counts as having completed phase 1, so the first pass through the ring does not wait.
@@ -78,12 +81,22 @@ def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, 
         mbarrier.expect(bar, STEP_BYTES)
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N], bar, k_lo_bufs.index(stage))
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF], bar, k_hi_bufs.index(stage))
-        tma.async_copy_global_to_shared(q_desc, [0, row, g * N], bar, q_lo_bufs.index(stage))
-        tma.async_copy_global_to_shared(q_desc, [0, row, g * N + HALF], bar, q_hi_bufs.index(stage))
+        if not Q_IN_PLACE:
+            tma.async_copy_global_to_shared(q_desc, [0, row, g * N], bar, q_lo_bufs.index(stage))
+            tma.async_copy_global_to_shared(q_desc, [0, row, g * N + HALF], bar, q_hi_bufs.index(stage))
         tma.async_copy_global_to_shared(cos_desc, [row, h * RD], bar, cos_bufs.index(stage))
         if not FROM_ANGLES:
             tma.async_copy_global_to_shared(sin_desc, [row, h * RD], bar, sin_bufs.index(stage))
         tma.async_copy_global_to_shared(v_desc, [row, h * P + p0], bar, v_bufs.index(stage))
+        if Q_IN_PLACE:
+            # q has its own ring: the consumer rotates it where it lands and frees it once q~'s products are done,
+            # later in the step than k's stage.
+            q_stage = i % NUM_Q_BUFFERS
+            mbarrier.wait(q_empty.index(q_stage), ((i // NUM_Q_BUFFERS) & 1) ^ 1)
+            q_bar = q_ready.index(q_stage)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [0, row, g * N], q_bar, q_lo_bufs.index(q_stage))
+            tma.async_copy_global_to_shared(q_desc, [0, row, g * N + HALF], q_bar, q_hi_bufs.index(q_stage))
 
 
 @gluon.jit
@@ -96,17 +109,19 @@ def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r
 
 
 @gluon.jit
-def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
-              qa_lo, qa_hi, ka_lo, ka_hi, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
+def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready, q_empty,
+              qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
               q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
               da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr, qk_dot_ptr,
               bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
               C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
               BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
-              TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, num_warps: gl.constexpr):
+              TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, Q_IN_PLACE: gl.constexpr,
+              WEIGHED_BUFFER: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     ROTATION_DTYPE: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
+    NUM_Q_BUFFERS: gl.constexpr = q_lo_bufs.type.shape[0]
     P_TILES: gl.constexpr = P // BLOCK_P
     x_layout: gl.constexpr = _rows_layout(_BLOCK_HALF, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
@@ -151,48 +166,83 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
         v_rows = v_bufs.index(stage).load(p_layout).to(gl.float32)
         v_weighted = v_rows * (gl.exp(da_rev) * trap_scale)[:, None]
-        q_lo_rows = q_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
-        q_hi_rows = q_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
         k_lo_rows = k_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
         k_hi_rows = k_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
-        for r in gl.static_range(R):
-            _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
-                         ROTATION_DTYPE)
-            _rotate_into(q_lo_rows, q_hi_rows, q_bias_lo, q_bias_hi, cos, sin, qa_lo, qa_hi, r, C, x_layout,
-                         ROTATION_DTYPE)
-            psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))[None, :]
-            psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
-            psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
-        fence_async_shared()
-        mbarrier.arrive(empty.index(stage), count=1)
+        if Q_IN_PLACE:
+            q_stage = i % NUM_Q_BUFFERS
+            q_lo_rows = q_lo_bufs.index(q_stage).reshape([_ROWS, _BLOCK_HALF])
+            q_hi_rows = q_hi_bufs.index(q_stage).reshape([_ROWS, _BLOCK_HALF])
+            for r in gl.static_range(R):
+                _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
+                             ROTATION_DTYPE)
+                psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))[None, :]
+                psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
+                psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
+            # k's stage is free once k~ and psiv are written: the next chunk's k, angles and v load during this step.
+            fence_async_shared()
+            mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.wait(q_ready.index(q_stage), (i // NUM_Q_BUFFERS) & 1)
+            # q~ where q landed: each thread writes back the elements it read (one layout both ways), and the
+            # [R, C, 64] box's 128-byte swizzle is the [R * C, 64] operand's (C a multiple of 8).
+            for r in gl.static_range(R):
+                _rotate_into(q_lo_rows, q_hi_rows, q_bias_lo, q_bias_hi, cos, sin, q_lo_rows, q_hi_rows, r, C,
+                             x_layout, ROTATION_DTYPE)
+            fence_async_shared()
+            q_op_lo = q_lo_rows
+            q_op_hi = q_hi_rows
+        else:
+            q_lo_rows = q_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+            q_hi_rows = q_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+            for r in gl.static_range(R):
+                _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
+                             ROTATION_DTYPE)
+                _rotate_into(q_lo_rows, q_hi_rows, q_bias_lo, q_bias_hi, cos, sin, qa_lo, qa_hi, r, C, x_layout,
+                             ROTATION_DTYPE)
+                psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))[None, :]
+                psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
+                psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
+            fence_async_shared()
+            mbarrier.arrive(empty.index(stage), count=1)
+            q_op_lo = qa_lo
+            q_op_hi = qa_hi
 
         # The entering state leaves by TMA from out_lo / out_hi, which are also q~ @ state_in's B operand.
         _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
                               (bh * NCH + c_first + i) * N, p0, HALF, False)
         out_lo = out_lo_smem.index(0)
         out_hi = out_hi_smem.index(0)
-        scores = warpgroup_mma(qa_lo, ka_lo.permute((1, 0)), gl.zeros([_ROWS, _ROWS], gl.float32, score_layout),
+        scores = warpgroup_mma(q_op_lo, ka_lo.permute((1, 0)), gl.zeros([_ROWS, _ROWS], gl.float32, score_layout),
                                is_async=True)
-        scores = warpgroup_mma(qa_hi, ka_hi.permute((1, 0)), scores, is_async=True)
-        y_state = warpgroup_mma(qa_lo, out_lo, gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), is_async=True)
-        y_state = warpgroup_mma(qa_hi, out_hi, y_state, is_async=True)
+        scores = warpgroup_mma(q_op_hi, ka_hi.permute((1, 0)), scores, is_async=True)
+        y_state = warpgroup_mma(q_op_lo, out_lo, gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), is_async=True)
+        y_state = warpgroup_mma(q_op_hi, out_hi, y_state, is_async=True)
         state_lo = warpgroup_mma(ka_lo.permute((1, 0)), psiv_w_smem, state_lo * decay, is_async=True)
         state_hi = warpgroup_mma(ka_hi.permute((1, 0)), psiv_w_smem, state_hi * decay, is_async=True)
         # The update's two products stay in flight while the scores are weighed.
         scores, y_state = warpgroup_mma_wait(2, deps=(scores, y_state))
+        if Q_IN_PLACE and WEIGHED_BUFFER:
+            # q~'s products are done and the weighed scores have a buffer of their own: q's stage is free.
+            mbarrier.arrive(q_empty.index(q_stage), count=1)
 
         weights = intra_chunk_weights(score_row % C, score_col % C, all_rows, all_cols, da_row, da_col, gamma_row,
                                       ts_col)
-        # q~'s low operand has been read by both of its products: it takes the weighed scores, raw_y's A operand.
-        qa_lo.store((scores * weights).to(gl.bfloat16))
+        # Without a buffer of their own, the weighed scores (raw_y's A operand) go over q~'s low operand, which both
+        # of its products have read.
+        if WEIGHED_BUFFER:
+            weighed = weighed_smem
+        else:
+            weighed = q_op_lo
+        weighed.store((scores * weights).to(gl.bfloat16))
         fence_async_shared()
-        raw_y = warpgroup_mma(qa_lo, psiv_smem, y_decay[:, None] * y_state, is_async=True)
+        raw_y = warpgroup_mma(weighed, psiv_smem, y_decay[:, None] * y_state, is_async=True)
         if pid_p == 0:
             # qk_dot [B, H, S, R, R]: the same-token entries of the scores (the rotation preserves those dots).
             same = (score_row % C)[:, None] == (score_col % C)[None, :]
             qk_offs = ((bh64 * S + t0 + score_row % C) * R + score_row // C)[:, None] * R + (score_col // C)[None, :]
             gl.store(qk_dot_ptr + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=same)
         raw_y, state_lo, state_hi = warpgroup_mma_wait(0, deps=(raw_y, state_lo, state_hi))
+        if Q_IN_PLACE and not WEIGHED_BUFFER:
+            mbarrier.arrive(q_empty.index(q_stage), count=1)
 
         # raw_y [B, H, S, R, P]: row (r, t) of the chunk is row (t0 + t) * R + r of the (b, h) sequence.
         seq_rows = (bh64 * S + t0 + y_row % C) * R + y_row // C
@@ -210,10 +260,13 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                          C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
                          BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                          num_warps: gl.constexpr, HALF_ROTATION: gl.constexpr = False,
-                         TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True):
+                         TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True,
+                         Q_IN_PLACE: gl.constexpr = False, WEIGHED_BUFFER: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one P tile of the whole state, storing the state entering
     each chunk and the chunk's raw_y (and, in P tile 0, qk_dot).  The segment starts from the earlier segments'
-    end states folded (``seg_state``, from the end-state pass; unused with one segment)."""
+    end states folded (``seg_state``, from the end-state pass; unused with one segment).  With Q_IN_PLACE, q has a
+    one-stage ring of its own and is rotated where it lands (no q~ operands: what lets a 64-wide P tile fit); with
+    WEIGHED_BUFFER the weighed scores have a buffer of their own, so q's stage is freed before raw_y's product."""
     HALF: gl.constexpr = N // 2
     pid_p = gl.program_id(0)
     seg = gl.program_id(1)
@@ -226,8 +279,9 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
     n_steps = gl.minimum(CHUNKS_PER_SEG, NCH - c_first)
 
     x_box: gl.constexpr = [NUM_BUFFERS] + k_desc.block_type.shape
-    q_lo_bufs = gl.allocate_shared_memory(q_desc.dtype, x_box, q_desc.layout)
-    q_hi_bufs = gl.allocate_shared_memory(q_desc.dtype, x_box, q_desc.layout)
+    q_box: gl.constexpr = [1 if Q_IN_PLACE else NUM_BUFFERS] + q_desc.block_type.shape
+    q_lo_bufs = gl.allocate_shared_memory(q_desc.dtype, q_box, q_desc.layout)
+    q_hi_bufs = gl.allocate_shared_memory(q_desc.dtype, q_box, q_desc.layout)
     k_lo_bufs = gl.allocate_shared_memory(k_desc.dtype, x_box, k_desc.layout)
     k_hi_bufs = gl.allocate_shared_memory(k_desc.dtype, x_box, k_desc.layout)
     cos_bufs = gl.allocate_shared_memory(cos_desc.dtype, [NUM_BUFFERS] + cos_desc.block_type.shape, cos_desc.layout)
@@ -243,13 +297,30 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    if Q_IN_PLACE:
+        q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready.index(0), count=1)
+        mbarrier.init(q_empty.index(0), count=1)
+    else:
+        q_ready = ready
+        q_empty = empty
 
-    # The products' operands, rows (rank, token): q~ and k~ per N/2 half, the weighted psiv (the update's B) and the
-    # plain psiv (raw_y's B).
+    # The products' operands, rows (rank, token): q~ (unless rotated in place) and k~ per N/2 half, the weighted
+    # psiv (the update's B) and the plain psiv (raw_y's B).
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, _BLOCK_HALF], gl.bfloat16)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, BLOCK_P], gl.bfloat16)
-    qa_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
-    qa_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    if Q_IN_PLACE:
+        qa_lo = q_lo_bufs  # not used: the consumer takes q~ from q's stage
+        qa_hi = q_hi_bufs
+    else:
+        qa_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+        qa_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    if WEIGHED_BUFFER:
+        weighed_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _ROWS],
+                                                 gl.NVMMASharedLayout.get_default_for([_ROWS, _ROWS], gl.bfloat16))
+    else:
+        weighed_smem = q_lo_bufs  # not used
     ka_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
     ka_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
     psiv_w_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
@@ -279,48 +350,76 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
 
     gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
     gl.warp_specialize([
-        (_consumer, (q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty,
-                     qa_lo, qa_hi, ka_lo, ka_hi, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
+        (_consumer, (q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready,
+                     q_empty, qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem, out_lo_smem,
+                     out_hi_smem,
                      q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
                      da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr,
                      qk_dot_ptr, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
                      C, R, N, P, RD, BLOCK_P, BLOCK_SEG_CHUNKS, HALF_ROTATION, TABLE_DTYPE, SCALED_RAW_Y,
-                     num_warps)),
+                     Q_IN_PLACE, WEIGHED_BUFFER, num_warps)),
         (_producer, (q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs,
-                     cos_bufs, sin_bufs, v_bufs, ready, empty, b, h, g, c_first * C, p0, S, n_steps, C, N, P, RD,
-                     FROM_ANGLES)),
+                     cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready, q_empty, b, h, g, c_first * C, p0, S,
+                     n_steps, C, N, P, RD, FROM_ANGLES, Q_IN_PLACE)),
     ], [1], [PRODUCER_REGISTERS])
 
 
-def shared_bytes(*, C, R, num_buffers=1, half_rotation=False):
-    """The kernel's shared memory at N = 128 and the 32-wide P tile: the ring's stages (q and k, the angles or the
-    two 16-bit tables, v), the four [rows, 64] q~ / k~ operands, the two psiv, the state-store buffers and the
+def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_place=False, weighed_buffer=False):
+    """The kernel's shared memory at N = 128: the ring's stages (k, with q unless ``q_in_place``, the angles or the
+    two 16-bit tables, v), q's own stage where it is rotated in place, the [rows, 64] k~ operands (and q~'s unless
+    in place), the two psiv, the weighed scores' buffer (``weighed_buffer``), the state-store buffers and the
     bias / Psi rows (the bias in the rotation's dtype: fp32, or bf16 with ``half_rotation``).  The compiler adds
     barriers and alignment (a few hundred bytes)."""
-    stage = 4 * R * C * BLOCK_HALF * 2 + C * BLOCK_HALF * 4 + C * BLOCK_P * 2
-    fixed = 4 * ROWS * BLOCK_HALF * 2 + 2 * ROWS * BLOCK_P * 2 + 2 * STATE_ROWS * BLOCK_P * 2
-    fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * BLOCK_P * 4
+    half_box = ROWS * BLOCK_HALF * 2  # one N/2 half of q or k for a chunk: [R, C, 64] bf16
+    stage = (2 if q_in_place else 4) * half_box + C * BLOCK_HALF * 4 + C * block_p * 2
+    fixed = (2 * half_box if q_in_place else 0) + (2 if q_in_place else 4) * ROWS * BLOCK_HALF * 2
+    fixed += 2 * ROWS * block_p * 2 + (ROWS * ROWS * 2 if weighed_buffer else 0) + 2 * STATE_ROWS * block_p * 2
+    fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * block_p * 4
     return fixed + num_buffers * stage
 
 
-def ring_depth(*, C, R):
-    """The deepest ring (1 or 2 stages) within the 99 KB bound, with 768 bytes for what the model leaves out."""
-    return 2 if shared_bytes(C=C, R=R, num_buffers=2) + 768 <= SMEM_LIMIT else 1
+class Plan(NamedTuple):
+    """A launch's P tile and shared-memory plan: ring stages, q rotated in place, the weighed scores' own buffer."""
+    block_p: int
+    num_buffers: int
+    q_in_place: bool
+    weighed_buffer: bool
 
 
-def shape_problems(*, S, R, N, P, chunk_size, dtypes):
+def _fits(**layout):
+    return shared_bytes(**layout) + 768 <= SMEM_LIMIT  # 768 bytes for what the model leaves out
+
+
+def plan(*, C, R, P, half_rotation=False, block_p=None):
+    """The widest P tile (64, else 32; or ``block_p``) that divides P and fits the 99 KB bound, with its layout, or
+    None.  At 32 columns q~ and k~ have operands of their own beside one or two ring stages.  At 64 (one program
+    covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit: q is rotated where it
+    lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed before
+    raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead)."""
+    for width in (block_p,) if block_p else (64, 32):
+        if P % width:
+            continue
+        in_place = width > 32
+        layout = dict(C=C, R=R, block_p=width, half_rotation=half_rotation, q_in_place=in_place)
+        weighed = in_place and _fits(**layout, weighed_buffer=True)
+        layout.update(weighed_buffer=weighed)
+        if _fits(**layout):
+            return Plan(width, 2 if _fits(**layout, num_buffers=2) else 1, in_place, weighed)
+    return None
+
+
+def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block_p=None):
     """What keeps the kernel from covering this problem: a list of reasons, empty where it does.
     ``dtypes``: (q, k, v, states) and the rotation tables' (or the angles' table dtype)."""
     C = chunk_size
     problems = []
     if N != 2 * BLOCK_HALF:
         problems.append(f"N = {2 * BLOCK_HALF}, got N={N}")
-    if P % BLOCK_P:
-        problems.append(f"P a multiple of {BLOCK_P}, got P={P}")
     if C * R != ROWS or C % 8:
         problems.append(f"C * R = {ROWS} with C a multiple of 8, got C={C}, R={R}")
-    elif shared_bytes(C=C, R=R) + 768 > SMEM_LIMIT:
-        problems.append(f"one ring stage within {SMEM_LIMIT} bytes of shared memory, got C={C}, R={R}")
+    elif plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p) is None:
+        problems.append(f"a P tile of {block_p or '32 or 64'} dividing P with one ring stage within {SMEM_LIMIT} "
+                        f"bytes of shared memory, got P={P}, C={C}, R={R}")
     if S % C:
         problems.append(f"S a multiple of C, got S={S}, C={C}")
     *activations, table_dtype = dtypes
@@ -330,7 +429,7 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes):
 
 
 def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None, angles=None, table_dtype=None,
-                tensors=()):
+                tensors=(), half_rotation=False, block_p=None):
     """None where the kernel covers this call (the scan and output arguments as ``scan_outputs`` takes them), else
     the reason: a Hopper GPU outside the interpreter, contiguous 16-byte aligned tensors (``tensors`` names more to
     check), and ``shape_problems``."""
@@ -344,7 +443,8 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
             return f"needs {name} contiguous and 16-byte aligned"
     _, S, R, _, N = q.shape
     problems = shape_problems(S=S, R=R, N=N, P=v.shape[3], chunk_size=chunk_size,
-                              dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]))
+                              dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
+                              half_rotation=half_rotation, block_p=block_p)
     if (v.shape[2] * trig["RD"] * 2) % 16:
         problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {v.shape[2] * trig['RD']}")
     return "; ".join(problems) or None
@@ -352,7 +452,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
 
 def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
                  raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
-                 angles=None, table_dtype=None, half_rotation=False, **_unused):
+                 angles=None, table_dtype=None, half_rotation=False, block_p=None, **_unused):
     """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
     skip), through one kernel.
 
@@ -361,23 +461,30 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     cos / sin tables [B, S, H, RD] (16-bit), or ``angles`` [B, S, H, RD] fp32 with the ``table_dtype`` they stand for;
     seg_state [B, H, n_segments, N, P] fp32 end states of ``gluon_segment_end_states`` (None with one segment).
     Writes states [B, H, nch, N, P] bf16, qk_dot [B, H, S, R, R], raw_y [B, H, S, R, P] (fp16 with raw_y_scale
-    [B, H, S, R, P / 32] fp32, the factor undoing each row's power of two, or fp32 with raw_y_scale None).
-    ``half_rotation``: q's and k's bias add and rotation in bf16."""
+    [B, H, S, R, P / block_p] fp32, the factor undoing each row's power of two, or fp32 with raw_y_scale None).
+    ``half_rotation``: q's and k's bias add and rotation in bf16.  ``block_p``: the P tile (None: ``plan``'s, the
+    widest that fits; raw_y_scale has a column per tile)."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=chunk_size,
-                              dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]))
+                              dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
+                              half_rotation=half_rotation, block_p=block_p)
     if problems:
         raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
+    layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p)
+    if raw_y_scale is not None and raw_y_scale.shape[-1] != P // layout.block_p:
+        raise ValueError(f"gluon_scan_outputs: raw_y_scale needs {P // layout.block_p} columns (P tiles of "
+                         f"{layout.block_p}), got {raw_y_scale.shape[-1]}")
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states,
-                        chunk_size=chunk_size, block_p=BLOCK_P, angles=angles, q=q)
-    launch(_scan_outputs_kernel, (P // BLOCK_P, n_segments, B * H),
+                        chunk_size=chunk_size, block_p=layout.block_p, angles=angles, q=q)
+    launch(_scan_outputs_kernel, (P // layout.block_p, n_segments, B * H),
            *(found[name] for name in ("q_desc", "k_desc", "cos_desc", "sin_desc", "v_desc", "states_desc")),
            da_cs, da_cs_rev, gamma, trap_scale, q_bias, k_bias, mimo_v,
            trap_scale if seg_state is None else seg_state, raw_y, raw_y if raw_y_scale is None else raw_y_scale,
            qk_dot, S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
-           C=chunk_size, R=R, N=N, P=P, RD=trig["RD"], BLOCK_P=BLOCK_P, NUM_BUFFERS=ring_depth(C=chunk_size, R=R),
+           C=chunk_size, R=R, N=N, P=P, RD=trig["RD"], BLOCK_P=layout.block_p, NUM_BUFFERS=layout.num_buffers,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=MAX_REGISTERS,
            HALF_ROTATION=half_rotation, SCALED_RAW_Y=raw_y_scale is not None,
-           **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}))
+           **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}),
+           **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}))

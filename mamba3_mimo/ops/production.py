@@ -232,6 +232,8 @@ class ScanConfig:
     it covers the call: N = 128, C * R = 64, ...): chunk_scan is not launched and ``states`` is not read back; the
     D skip joins ``gate_grads``.  Its segments are ``gluon_segments``, or (0) as many as fill
     ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM (docs/optimization.md section 51).
+    scan_outputs_block_p: that kernel's P tile, 32 or 64 (0: the widest that divides P and fits,
+    ``gluon_scan_outputs.plan``; at 64 q is rotated in place, section 52).
     """
 
     block_p: int
@@ -272,6 +274,7 @@ class ScanConfig:
     fold_one_scan: bool = False
     angles_in_kernels: bool = False
     scan_outputs: bool = False
+    scan_outputs_block_p: int = 0
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -658,17 +661,22 @@ def _gluon_scan(config, *, scan, states):
     return gluon_state_scan if gluon_state_scan.unsupported(**scan, states=states) is None else None
 
 
-def _scan_outputs(config, *, gluon, scan, q, states, qk_dot):
-    """The ``gluon_scan_outputs`` module where ``config`` asks for it (``scan_outputs`` with the stored raw_y and the
-    Gluon scan) and it covers this call, else None."""
+def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation):
+    """(the ``gluon_scan_outputs`` module, its P tile) where ``config`` asks for it (``scan_outputs`` with the stored
+    raw_y and the Gluon scan) and it covers this call, else (None, None)."""
     if not (config.scan_outputs and config.split_gate and not config.gate_in_scan and gluon):
-        return None
+        return None, None
     from . import gluon_scan_outputs
 
     rotation = {name: scan.get(name) for name in ("cos_angles", "sin_angles", "angles", "table_dtype")}
+    tile = dict(half_rotation=half_rotation, block_p=config.scan_outputs_block_p or None)
     problem = gluon_scan_outputs.unsupported(q=q, k=scan["k"], v=scan["v"], states=states,
-                                             chunk_size=scan["chunk_size"], tensors=dict(qk_dot=qk_dot), **rotation)
-    return gluon_scan_outputs if problem is None else None
+                                             chunk_size=scan["chunk_size"], tensors=dict(qk_dot=qk_dot), **rotation,
+                                             **tile)
+    if problem is not None:
+        return None, None
+    layout = gluon_scan_outputs.plan(C=scan["chunk_size"], R=q.shape[2], P=scan["v"].shape[3], **tile)
+    return gluon_scan_outputs, layout.block_p
 
 
 def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
@@ -730,11 +738,12 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 gluon = _gluon_scan(config, scan=scan, states=handoff)
         else:
             scan.update(from_angles)
-        fused = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot)
+        fused, fused_block_p = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot,
+                                             half_rotation=scan_rotation != tl.float32)
         wanted_segments = config.n_segments
         if fused:
             # gluon_segments, or as many as one wave of programs holds.
-            programs = B * H * (P // fused.BLOCK_P)
+            programs = B * H * (P // fused_block_p)
             wanted_segments = config.gluon_segments or max(1, min(
                 SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs, nch // MIN_CHUNKS_PER_SEGMENT))
         elif gluon and not config.local_states and config.gluon_segments:
@@ -756,9 +765,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                                precise_exp=precise_exp(dot_dtype, da_cs),
                                                one_scan=config.fold_one_scan)
         elif fused:
-            # The storing pass runs with the outputs below.  The end-state pass over the fused kernel's P tile: twice
-            # the programs of the 64-wide one, for a pass that has one segment fewer than the storing pass.
-            seg_end = gluon.gluon_segment_end_states(**dict(scan, block_p=fused.BLOCK_P))
+            # The storing pass runs with the outputs below.  The end-state pass over the fused kernel's P tile (at 32
+            # twice the programs of a 64-wide one, for a pass that has one segment fewer than the storing pass).
+            seg_end = gluon.gluon_segment_end_states(**dict(scan, block_p=fused_block_p))
         elif gluon:
             seg_end = gluon.gluon_segment_end_states(**scan)
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
@@ -792,13 +801,14 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 raw_y_dtype = raw_y_scratch_dtype(*activation_dtypes)
             raw_y = torch.empty((B, H, S, R, P), device=q.device, dtype=raw_y_dtype)
             raw_y_scale = None
-            scale_block_p = fused.BLOCK_P if fused else config.out_block_p
+            scale_block_p = fused_block_p if fused else config.out_block_p
             if raw_y_dtype == torch.float16:
                 raw_y_scale = torch.empty((B, H, S, R, cdiv(P, scale_block_p)), device=q.device,
                                           dtype=torch.float32)
             if fused:
                 fused.scan_outputs(**scan, q=q, q_bias=q_bias, states=handoff, seg_state=seg_end, qk_dot=qk_dot,
-                                   raw_y=raw_y, raw_y_scale=raw_y_scale, half_rotation=scan_rotation != tl.float32)
+                                   raw_y=raw_y, raw_y_scale=raw_y_scale, half_rotation=scan_rotation != tl.float32,
+                                   block_p=fused_block_p)
             else:
                 chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                            max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
