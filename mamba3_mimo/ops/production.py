@@ -806,9 +806,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 raw_y_scale = torch.empty((B, H, S, R, cdiv(P, scale_block_p)), device=q.device,
                                           dtype=torch.float32)
             if fused:
-                fused.scan_outputs(**scan, q=q, q_bias=q_bias, states=handoff, seg_state=seg_end, qk_dot=qk_dot,
-                                   raw_y=raw_y, raw_y_scale=raw_y_scale, half_rotation=scan_rotation != tl.float32,
-                                   block_p=fused_block_p)
+                fused.scan_outputs(**dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias, states=handoff,
+                                   seg_state=seg_end, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale,
+                                   half_rotation=scan_rotation != tl.float32)
             else:
                 chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                            max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
