@@ -155,7 +155,7 @@ def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkey
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     calls, tiles = _spy(monkeypatch)
     config = _config(case, scan_outputs=True, angles_in_kernels=case["angles"], scan_half_rotation=case["half"],
-                     out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0))
+                     out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0)
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
                  z=case["z"], **shape)

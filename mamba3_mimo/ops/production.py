@@ -87,8 +87,12 @@ MIN_CHUNKS_PER_SEGMENT = 4
 # Gluon state scan programs an SM (gluon_state_scan.py: 8 hardware warps at 128 registers a thread).
 GLUON_SCAN_PROGRAMS_PER_SM = 2
 # The fused storing scan's programs an SM (gluon_scan_outputs.py: 8 hardware warps at 128 registers, ~90 KB of
-# shared memory): its segments are as many as one wave of them holds.
+# shared memory): its segments are as many as one wave of them holds, or, where that leaves segments of more chunks,
+# one per SCAN_OUTPUTS_SEGMENT_CHUNKS.  H100, 368a96c, 64-wide P tile (graph us, one wave / 8 segments):
+# N128_P64_R4_C16 303.1 / 322.6 (128 chunks: one wave is 4 segments of 32), R8_C8 611.1 / 577.4 (256 chunks),
+# R2_C32 193.4 / 209.8 (64 chunks); optimization.md section 52.
 SCAN_OUTPUTS_PROGRAMS_PER_SM = 2
+SCAN_OUTPUTS_SEGMENT_CHUNKS = 32
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -531,11 +535,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # N128_P32 264 -> 250, R8_C8 665 -> 624, R2_C32 217 -> 206, R1_C64 144 -> 136; N128_P128 667 -> 671 (chunk_scan's
     # spill at its 168 cap 8 -> 14 B), left off there.
     angles_in_kernels = bool(swept and split_gate and N >= 64 and not (N >= 128 and p_pow >= 128))
-    # The fused storing scan (section 51) where its 32-wide P tile is all of P.  H100, 224e676, graph us (off -> on,
-    # segments of one wave): N128_P32_R4_C16 250.6 -> 229.0 (chunk_scan 153 + scan 50 -> fused pass 142 + end pass
-    # 43).  Over two P tiles each program rotates q and k for half the columns and it loses: N128_P64_R4_C16 336 ->
-    # 415, R8_C8 623 -> 813, R2_C32 205 -> 256.
-    scan_outputs = bool(swept and split_gate and not gate_in_scan and N == 128 and P == 32 and chunk_size * R == 64)
+    # The fused storing scan (section 51) where one program's P tile is all of P.  H100, 224e676, graph us (off ->
+    # on, segments of one wave): N128_P32_R4_C16 250.6 -> 229.0 (chunk_scan 153 + scan 50 -> fused pass 142 + end
+    # pass 43).  Over two 32-wide P tiles it loses (N128_P64_R4_C16 336 -> 415, R8_C8 623 -> 813, R2_C32 205 -> 256);
+    # with the 64-wide tile (q rotated in place, section 52; H100, 368a96c) it wins: N128_P64_R4_C16 337.3 -> 303.1,
+    # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4.
+    scan_outputs = bool(swept and split_gate and not gate_in_scan and N == 128 and P in (32, 64)
+                        and chunk_size * R == 64)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
@@ -744,8 +750,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         if fused:
             # gluon_segments, or as many as one wave of programs holds.
             programs = B * H * (P // fused_block_p)
+            wave = SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs
             wanted_segments = config.gluon_segments or max(1, min(
-                SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs, nch // MIN_CHUNKS_PER_SEGMENT))
+                max(wave, nch // SCAN_OUTPUTS_SEGMENT_CHUNKS), nch // MIN_CHUNKS_PER_SEGMENT))
         elif gluon and not config.local_states and config.gluon_segments:
             wanted_segments = config.gluon_segments
         # Segments hold whole steps of both scans.
