@@ -679,6 +679,27 @@ def test_official_grid_fused_output(check_kernel, shape):
                  ref_device="kernel", config=fused, **sizes)
 
 
+@pytest.mark.parametrize("shape", ["N128_P64_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32"])
+@pytest.mark.gpu
+@requires_cuda
+def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
+    """The official N = 128, P = 64 shapes through the fused storing scan over its 64-wide P tile (q rotated in
+    place; optimization.md section 52): timed to win there, and the dispatcher takes it (``SCAN_OUTPUTS_P``) only
+    once this full-size check has passed on a GPU."""
+    from mamba3_mimo.ops import gluon_scan_outputs
+    from mamba3_mimo.ops.production import choose_config
+
+    tiles = []
+    fused = gluon_scan_outputs.scan_outputs
+    monkeypatch.setattr(gluon_scan_outputs, "scan_outputs", lambda **kw: (tiles.append(kw["block_p"]), fused(**kw))[1])
+    sizes = parse_shape(shape)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           **sizes)
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=dataclasses.replace(chosen, scan_outputs=True), **sizes)
+    assert tiles and set(tiles) == {64}, tiles
+
+
 @pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
 @pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(gluon_segments=1), dict(gluon_segments=1, block_p=32)],
                          ids=["one-segment", "one-gluon-segment", "one-gluon-segment-p32"])
