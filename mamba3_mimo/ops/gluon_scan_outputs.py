@@ -111,6 +111,14 @@ def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r
 
 
 @gluon.jit
+def _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C: gl.constexpr, layout: gl.constexpr):
+    """Rank ``r``'s rows of psiv, weighted (the update's B) and plain (raw_y's B), as bf16 operand rows."""
+    psi = psi_smem.index(r).load(gl.SliceLayout(0, layout))[None, :]
+    psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
+    psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
+
+
+@gluon.jit
 def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready, q_empty,
               qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
               q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
@@ -177,9 +185,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             for r in gl.static_range(R):
                 _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
                              ROTATION_DTYPE)
-                psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))[None, :]
-                psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
-                psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
+                _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C, p_layout)
             # k's stage is free once k~ and psiv are written: the next chunk's k, angles and v load during this step.
             fence_async_shared()
             mbarrier.arrive(empty.index(stage), count=1)
@@ -200,9 +206,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
                              ROTATION_DTYPE)
                 _rotate_into(q_lo_rows, q_hi_rows, q_bias_lo, q_bias_hi, cos, sin, qa_lo, qa_hi, r, C, x_layout,
                              ROTATION_DTYPE)
-                psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))[None, :]
-                psiv_w_smem.slice(r * C, C).store((v_weighted * psi).to(gl.bfloat16))
-                psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
+                _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C, p_layout)
             fence_async_shared()
             mbarrier.arrive(empty.index(stage), count=1)
             q_op_lo = qa_lo
