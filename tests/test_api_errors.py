@@ -326,6 +326,7 @@ def test_batch_element_beyond_int32_is_refused(no_launch, entry):
     (dict(block_p=32, n_segments=2, gate_tile_elements=3000), "gate_tile_elements"),
     (dict(block_p=32, n_segments=2, gate_num_warps=5), "gate_num_warps"),
     (dict(block_p=32, n_segments=2, gluon_segments=-1), "gluon_segments"),
+    (dict(block_p=32, n_segments=2, scan_outputs_block_p=48), "scan_outputs_block_p"),
 ])
 def test_bad_scan_config_is_refused(fields, match):
     from mamba3_mimo.ops.production import ScanConfig

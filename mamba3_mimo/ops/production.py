@@ -288,6 +288,8 @@ class ScanConfig:
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
+        if self.scan_outputs_block_p not in (0, 32, 64):
+            raise ValueError(f"ScanConfig.scan_outputs_block_p must be 0, 32 or 64, got {self.scan_outputs_block_p}")
         if self.gluon_segments < 0:
             raise ValueError(f"ScanConfig.gluon_segments must be >= 0, got {self.gluon_segments}")
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
@@ -752,7 +754,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                              half_rotation=scan_rotation != tl.float32)
         wanted_segments = config.n_segments
         if fused:
-            # gluon_segments, or as many as one wave of programs holds.
+            # gluon_segments, or as many as one wave of programs holds (more where segments would exceed 32 chunks).
             programs = B * H * (P // fused_block_p)
             wave = SCAN_OUTPUTS_PROGRAMS_PER_SM * _sm_count(q.device.index) // programs
             wanted_segments = config.gluon_segments or max(1, min(
