@@ -65,9 +65,10 @@ SPLIT_HALF_ROTATION = dataclasses.replace(SPLIT_P_TILES, scan_half_rotation=True
 # range, R = 8 with two ranks a thread.
 SPLIT_GLUON_GATE = dataclasses.replace(SPLIT_HALF_ROTATION, gluon_gate=True)
 # The storing scan forming raw_y and qk_dot (scan_outputs, with the Gluon scans and the angles): two 32-wide P tiles,
-# two segments (the end-state pass's states folded in).
+# two segments (the end-state pass's states folded in); then one 64-wide tile, q rotated in place (section 52).
 SPLIT_SCAN_OUTPUTS = dataclasses.replace(SPLIT_GLUON_GATE, block_p=64, gluon_scan=True, angles_in_kernels=True,
-                                         scan_outputs=True)
+                                         scan_outputs=True, scan_outputs_block_p=32)
+SPLIT_SCAN_OUTPUTS_64 = dataclasses.replace(SPLIT_SCAN_OUTPUTS, scan_outputs_block_p=64)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -120,6 +121,8 @@ CASES = [
     ("production-split-gluon-gate-r8", "production", SPLIT_GLUON_GATE,
      dict(B=1, S=72, H=2, G=1, N=128, P=64, R=8, chunk_size=8, dtype=BF16, z=True, d=True)),
     ("production-split-scan-outputs", "production", SPLIT_SCAN_OUTPUTS,
+     dict(B=1, S=128, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-scan-outputs-64", "production", SPLIT_SCAN_OUTPUTS_64,
      dict(B=1, S=128, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),

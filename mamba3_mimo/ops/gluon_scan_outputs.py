@@ -26,6 +26,7 @@ bound.  Like the Gluon scan, it does not run in the Triton interpreter: its valu
 (``tests/test_gluon_scan_outputs.py``).
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -396,12 +397,14 @@ def _fits(**layout):
     return shared_bytes(**layout) + 768 <= SMEM_LIMIT  # 768 bytes for what the model leaves out
 
 
+@functools.lru_cache(maxsize=None)
 def plan(*, C, R, P, half_rotation=False, block_p=None):
     """The widest P tile (64, else 32; or ``block_p``) that divides P and fits the 99 KB bound, with its layout, or
     None.  At 32 columns q~ and k~ have operands of their own beside one or two ring stages.  At 64 (one program
     covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit: q is rotated where it
     lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed before
-    raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead)."""
+    raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  Cached: every
+    call asks it from ``unsupported``, the production path and ``scan_outputs``."""
     for width in (block_p,) if block_p else (64, 32):
         if P % width:
             continue

@@ -750,8 +750,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 gluon = _gluon_scan(config, scan=scan, states=handoff)
         else:
             scan.update(from_angles)
+        scan_rotation_16bit = scan_rotation != tl.float32
         fused, fused_block_p = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot,
-                                             half_rotation=scan_rotation != tl.float32)
+                                             half_rotation=scan_rotation_16bit)
         wanted_segments = config.n_segments
         if fused:
             # gluon_segments, or as many as one wave of programs holds (more where segments would exceed 32 chunks).
@@ -821,7 +822,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             if fused:
                 fused.scan_outputs(**dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias, states=handoff,
                                    seg_state=seg_end, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale,
-                                   half_rotation=scan_rotation != tl.float32)
+                                   half_rotation=scan_rotation_16bit)
             else:
                 chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                            max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
