@@ -93,9 +93,9 @@ GLUON_SCAN_PROGRAMS_PER_SM = 2
 # R2_C32 193.4 / 209.8 (64 chunks); optimization.md section 52.
 SCAN_OUTPUTS_PROGRAMS_PER_SM = 2
 SCAN_OUTPUTS_SEGMENT_CHUNKS = 32
-# P where the dispatcher turns the fused storing scan on (N = 128, C * R = 64, with Z).  (32, 64) once the official
-# grid's tests of N128_P64_R4_C16, R8_C8 and R2_C32 pass on a GPU with it (timed to win, section 52).
-SCAN_OUTPUTS_P = (32,)
+# P where the dispatcher turns the fused storing scan on (N = 128, C * R = 64, with Z): 32 over one 32-wide tile
+# (section 51), 64 over one 64-wide tile (section 52; tests/test_kernels.py::test_official_scan_outputs_64).
+SCAN_OUTPUTS_P = (32, 64)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -544,8 +544,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # on, segments of one wave): N128_P32_R4_C16 250.6 -> 229.0 (chunk_scan 153 + scan 50 -> fused pass 142 + end
     # pass 43).  Over two 32-wide P tiles it loses (N128_P64_R4_C16 336 -> 415, R8_C8 623 -> 813, R2_C32 205 -> 256);
     # with the 64-wide tile (q rotated in place, section 52; H100, 368a96c) it wins: N128_P64_R4_C16 337.3 -> 303.1,
-    # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4.  Those three take it once their official-grid tests
-    # have passed on a GPU with it (SCAN_OUTPUTS_P); the session that timed it had no device time left for them.
+    # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4 (SCAN_OUTPUTS_P).
     scan_outputs = bool(swept and split_gate and not gate_in_scan and N == 128 and P in SCAN_OUTPUTS_P
                         and chunk_size * R == 64)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
