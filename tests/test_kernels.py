@@ -700,6 +700,32 @@ def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
     assert tiles and set(tiles) == {64}, tiles
 
 
+@pytest.mark.parametrize("shape,gluon_gate", [
+    (shape, gluon_gate) for shape in ("N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32")
+    for gluon_gate in ((False, True) if "_R2_" not in shape else (False,))])  # the Gluon gate_grads: R = 4, 8
+@pytest.mark.gpu
+@requires_cuda
+def test_official_scan_outputs_without_z(check_kernel, monkeypatch, shape, gluon_gate):
+    """The official N = 128, C * R = 64 shapes without Z through the fused storing scan and a gate_grads pass (the
+    dispatcher has chunk_scan apply the gate there instead): the candidates of the Z-off sweep in section 53, full
+    size, so that a rule taking them rests on a GPU check of the exact config."""
+    from mamba3_mimo.ops import gluon_scan_outputs
+    from mamba3_mimo.ops.production import choose_config, gate_tokens_per_program
+
+    sizes = parse_shape(shape)
+    calls = []
+    fused = gluon_scan_outputs.scan_outputs
+    monkeypatch.setattr(gluon_scan_outputs, "scan_outputs", lambda **kw: (calls.append(kw["block_p"]), fused(**kw))[1])
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=num_sms, has_z=False, **sizes)
+    config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, gluon_gate=gluon_gate,
+                                 gate_tokens=gate_tokens_per_program(B=4, H=16, S=2048, R=sizes["R"], P=sizes["P"],
+                                                                     num_sms=num_sms))
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=False, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=config, **sizes)
+    assert calls, "the fused storing scan did not run"
+
+
 @pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
 @pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(gluon_segments=1), dict(gluon_segments=1, block_p=32)],
                          ids=["one-segment", "one-gluon-segment", "one-gluon-segment-p32"])
