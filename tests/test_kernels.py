@@ -706,9 +706,9 @@ def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
 @pytest.mark.gpu
 @requires_cuda
 def test_official_scan_outputs_without_z(check_kernel, monkeypatch, shape, gluon_gate):
-    """The official N = 128, C * R = 64 shapes without Z through the fused storing scan and a gate_grads pass (the
-    dispatcher has chunk_scan apply the gate there instead): the candidates of the Z-off sweep in section 53, full
-    size, so that a rule taking them rests on a GPU check of the exact config."""
+    """The official N = 128, C * R = 64 shapes without Z through the fused storing scan and a gate_grads pass, full
+    size: the candidates of the Z-off sweep in section 53.  With the Gluon gate_grads these are the dispatcher's configs
+    at N128_P64_R4_C16, N128_P32 and R8_C8 (``SCAN_OUTPUTS_WITHOUT_Z_P``; R2_C32 keeps the gate in chunk_scan)."""
     from mamba3_mimo.ops import gluon_scan_outputs
     from mamba3_mimo.ops.production import choose_config, gate_tokens_per_program
 

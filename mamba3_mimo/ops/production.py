@@ -96,8 +96,9 @@ SCAN_OUTPUTS_SEGMENT_CHUNKS = 32
 # P where the dispatcher turns the fused storing scan on (N = 128, C * R = 64, with Z): 32 over one 32-wide tile
 # (section 51), 64 over one 64-wide tile (section 52; tests/test_kernels.py::test_official_scan_outputs_64).
 SCAN_OUTPUTS_P = (32, 64)
-# P where it does so without Z as well, with a gate_grads pass (chunk_scan applies the gate there otherwise).
-SCAN_OUTPUTS_WITHOUT_Z_P = ()
+# P where it does so without Z as well (C <= 16), with a gate_grads pass (chunk_scan would apply the gate there):
+# section 53, tests/test_kernels.py::test_official_scan_outputs_without_z.
+SCAN_OUTPUTS_WITHOUT_Z_P = (32, 64)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -462,11 +463,13 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # split shape, the dPhi sums costing chunk_scan almost nothing (N128_P64_R4_C16 439 -> 401, N64_P128
     # 592 -> 497, N128_P128 929 -> 836, N256 1041 -> 967, N128_P32 388 -> 381, R8_C8 829 -> 814, R2_C32
     # 247 -> 228, R1_C64 166 -> 154).
-    # Without Z, the shapes the fused storing scan covers take it with a gate_grads pass instead (scan_outputs below;
-    # section 53): SCAN_OUTPUTS_WITHOUT_Z_P.
-    # (R1_C64 stays: 64-token chunks do not fit the kernel's shared memory).
+    # Without Z, the fused storing scan (scan_outputs below) with a gate_grads pass after it, in place of chunk_scan
+    # applying the gate, at N = 128, C * R = 64 and chunks of at most 16 tokens (SCAN_OUTPUTS_WITHOUT_Z_P).  H100,
+    # dfc7f4a (2026-12-07_h100_sweep_noz_dfc7f4a_scan_outputs.json, graph us, gate in chunk_scan -> fused pass + Gluon
+    # gate_grads / Triton): N128_P64_R4_C16 305.2 -> 283.7 / 283.7, N128_P32 254.8 -> 219.1 / 220.5, R8_C8 610.4 ->
+    # 551.7 / 548.0; R2_C32 175.9 -> 179.0 / 178.4 (32-token chunks: a slower fused step) stays; R1_C64 does not fit.
     fused_without_z = bool(swept and not has_z and N == 128 and P in SCAN_OUTPUTS_WITHOUT_Z_P and chunk_size * R == 64
-                           and chunk_size <= 32)
+                           and chunk_size <= 16)
     gate_in_scan = bool(split_gate and (R == 1 or not has_z) and not fused_without_z)
     # The D skip in the gate's fp32 math (d_in_gate) on the split shapes with P <= 64.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
