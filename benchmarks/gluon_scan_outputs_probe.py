@@ -30,9 +30,9 @@ CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C3
 
 
 def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
-                     block_p=None):
+                     block_p=None, ring_weights=False):
     """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed, at ``plan``'s P
-    tile (``block_p``: that one)."""
+    tile (``block_p``: that one), with the per-token weights through the ring where ``ring_weights``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -42,9 +42,9 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     B, S, H = 4, 2048, 16
     table = torch.bfloat16 if half_rotation else torch.float16
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=C, dtypes=(torch.bfloat16,) * 4 + (table,),
-                              half_rotation=half_rotation, block_p=block_p)
+                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
     assert not problems, problems
-    layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p)
+    layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)),
                 v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
@@ -62,11 +62,19 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
                      HALF_ROTATION=half_rotation, SCALED_RAW_Y=scaled_raw_y,
                      TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None,
-                     Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer)
+                     Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer, RING_WEIGHTS=ring_weights)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _scan_outputs_kernel.arg_names}
     source = GluonASTSource(_scan_outputs_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGISTERS))
+
+
+def global_copies(kernel):
+    """The whole kernel's global loads into registers (LDG) and cp.async copies into shared memory (LDGSTS), in SASS."""
+    import sass_report
+
+    opcodes = [op.split(".")[0] for _, op, _ in sass_report.sass_ops(kernel)]
+    return dict(kernel_LDG=opcodes.count("LDG"), kernel_LDGSTS=opcodes.count("LDGSTS"))
 
 
 def main(argv=None):
@@ -77,14 +85,18 @@ def main(argv=None):
     records = []
     for case in args.cases:
         P = parse_case(case)["P"]
-        for block_p in (32, 64) if P % 64 == 0 else (32,):
-            for half_rotation in (False, True):
-                layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
-                              half_rotation=half_rotation, block_p=block_p)
-                record = dict(case=case, half_rotation=half_rotation, **layout._asdict(),
-                              **summary(compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p)))
-                print(record, flush=True)
-                records.append(record)
+        # Each P tile with either rotation, and the dispatcher's form (the widest tile, bf16 rotation) with the
+        # per-token weights through the ring.
+        variants = [(block_p, half_rotation, False) for block_p in ((32, 64) if P % 64 == 0 else (32,))
+                    for half_rotation in (False, True)] + [(64 if P % 64 == 0 else 32, True, True)]
+        for block_p, half_rotation, ring_weights in variants:
+            layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
+                          half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+            kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+            record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, **layout._asdict(),
+                          **summary(kernel), **global_copies(kernel))
+            print(record, flush=True)
+            records.append(record)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(records, out, indent=1)

@@ -49,10 +49,11 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
         shape = gluon_scan_outputs_probe.parse_case(record["case"])
         C, R = shape["chunk_size"], shape["R"]
         layout = gluon_scan_outputs.plan(C=C, R=R, P=shape["P"], half_rotation=record["half_rotation"],
-                                         block_p=record["block_p"])
+                                         block_p=record["block_p"], ring_weights=record["ring_weights"])
         assert layout._asdict() == {name: record[name] for name in layout._fields}, record
         assert layout.q_in_place == (layout.block_p == 64)
-        model = gluon_scan_outputs.shared_bytes(C=C, R=R, half_rotation=record["half_rotation"], **layout._asdict())
+        model = gluon_scan_outputs.shared_bytes(C=C, R=R, half_rotation=record["half_rotation"],
+                                                ring_weights=record["ring_weights"], **layout._asdict())
         assert record["shared"] <= gluon_state_scan.SMEM_LIMIT, record
         # The model counts every buffer; the compiler adds barriers and alignment.
         assert model <= record["shared"] <= model + 768, (model, record)
@@ -62,6 +63,19 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
         assert gluon_state_scan.PRODUCER_REGISTERS.value in record["setmaxnreg"], record
         # Seven products a chunk, each of several wgmma instructions.
         assert record["HGMMA"] >= 7, record
+
+
+def test_ring_weights_take_the_consumers_weight_loads(compiled):
+    """With the weights through the ring (the dispatcher's tile and rotation) the kernel has fewer global loads than
+    the same kernel without (da_rev and trap_scale come from shared memory) and the producer's cp.async copies."""
+    ring = [record for record in compiled if record["ring_weights"]]
+    assert {record["case"] for record in ring} == set(gluon_scan_outputs_probe.CASES)
+    for record in ring:
+        plain = [other for other in compiled if not other["ring_weights"] and all(
+            other[name] == record[name] for name in ("case", "block_p", "half_rotation"))]
+        assert len(plain) == 1, record
+        assert record["kernel_LDG"] < plain[0]["kernel_LDG"], (record, plain[0])
+        assert record["kernel_LDGSTS"] > 0 == plain[0]["kernel_LDGSTS"], (record, plain[0])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -132,6 +146,11 @@ FUSED_CASES = [
     dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=True),
     dict(N=128, P=128, R=4, chunk_size=16, S=128, H=2, G=1, angles=True, half=True, z=True),
     dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=False),
+    # The per-token weights through the ring (scan_outputs_ring_weights): the dispatcher's form, 8-token chunks
+    # (the producer's 32 lanes copy each weight four times over), 32-token chunks over a 32-wide tile with tables.
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, ring=True),
+    dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=False, ring=True),
+    dict(N=128, P=32, R=2, chunk_size=32, S=256, H=2, G=1, angles=False, half=False, z=True, ring=True),
 ]
 
 
@@ -150,12 +169,13 @@ def _spy(monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"R{c['R']}-C{c['chunk_size']}-P{c['P']}"
                          f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}"
-                         f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}")
+                         f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}{'-ring' if c.get('ring') else ''}")
 def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkeypatch, case):
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     calls, tiles = _spy(monkeypatch)
     config = _config(case, scan_outputs=True, angles_in_kernels=case["angles"], scan_half_rotation=case["half"],
-                     out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0)
+                     out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0,
+                     scan_outputs_ring_weights=case.get("ring", False))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
                  z=case["z"], **shape)
@@ -190,10 +210,12 @@ def test_scan_outputs_agree_with_chunk_scan(monkeypatch):
         assert (got.float() - want.float()).abs().max().item() <= 2 ** -6 * scale, name
 
 
-def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch):
+@pytest.mark.parametrize("ring_weights", [False, True], ids=["own-loads", "ring-weights"])
+def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch, ring_weights):
     """The wrapper's launch on the CPU, the kernel replaced by a recorder: one program per (P tile, segment, (b, h)),
     q's and k's descriptors over their own tensors with the same rank-major [R, C, 64] boxes, the angles' box, and
-    the fold's end states (or a stand-in with one segment)."""
+    the fold's end states (or a stand-in with one segment); RING_WEIGHTS only where asked for (the default launch
+    keeps the GPU-tested specialization's arguments)."""
     launched = []
     monkeypatch.setattr(gluon_scan_outputs, "launch", lambda kernel, grid, *args, **constants: launched.append(
         (grid, args, constants)))
@@ -209,8 +231,9 @@ def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch):
         q=inputs["q"], k=inputs["k"], v=inputs["v"], q_bias=inputs["q_bias"], k_bias=inputs["k_bias"],
         mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=weights[0],
         trap_scale=weights[1], seg_state=seg_state, chunk_size=C, n_segments=2, chunks_per_segment=2,
-        angles=inputs["angles"], table_dtype=torch.float16, **outputs)
+        angles=inputs["angles"], table_dtype=torch.float16, ring_weights=ring_weights, **outputs)
     (grid, args, constants), = launched
+    assert constants.get("RING_WEIGHTS", False) is ring_weights and ("RING_WEIGHTS" in constants) is ring_weights
     # P = 64 in one 64-wide tile (fp32 bias rows: q rotated in place, the weighed scores over q~).
     assert grid == (1, 2, B * H)
     assert constants["BLOCK_P"] == 64 and constants["Q_IN_PLACE"] and not constants["WEIGHED_BUFFER"]

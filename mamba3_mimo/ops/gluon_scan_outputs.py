@@ -34,6 +34,7 @@ import triton
 from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -66,9 +67,9 @@ _BLOCK_HALF = gl.constexpr(BLOCK_HALF)
 
 @gluon.jit
 def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs,
-              sin_bufs, v_bufs, ready, empty, q_ready, q_empty, b, h, g, t_first, p0, S, n_steps, C: gl.constexpr,
-              N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr, FROM_ANGLES: gl.constexpr,
-              Q_IN_PLACE: gl.constexpr):
+              sin_bufs, v_bufs, weight_bufs, da_rev_ptr, trap_scale_ptr, ready, empty, q_ready, q_empty, b, h, g, bh,
+              t_first, p0, S, n_steps, C: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
+              FROM_ANGLES: gl.constexpr, Q_IN_PLACE: gl.constexpr, RING_WEIGHTS: gl.constexpr):
     HALF: gl.constexpr = N // 2
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     NUM_Q_BUFFERS: gl.constexpr = q_lo_bufs.type.shape[0]
@@ -81,6 +82,15 @@ def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, 
         mbarrier.wait(empty.index(stage), ((i // NUM_BUFFERS) & 1) ^ 1)
         row = b * S + t_first + i * C
         bar = ready.index(stage)
+        if RING_WEIGHTS:
+            # The chunk's da_rev and trap_scale ([B * H, S] fp32), which the consumer needs first in the step, by
+            # cp.async into the stage's weight rows; the stage's barrier also waits for them (each thread's arrive,
+            # counted in, fires once its copies have landed).
+            token = gl.arange(0, C, gl.BlockedLayout([1], [32], [1], [0]))
+            at = bh * S + t_first + i * C
+            async_copy.async_copy_global_to_shared(weight_bufs.index(2 * stage), da_rev_ptr + at + token)
+            async_copy.async_copy_global_to_shared(weight_bufs.index(2 * stage + 1), trap_scale_ptr + at + token)
+            async_copy.mbarrier_arrive(bar)
         mbarrier.expect(bar, STEP_BYTES)
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N], bar, k_lo_bufs.index(stage))
         tma.async_copy_global_to_shared(k_desc, [0, row, g * N + HALF], bar, k_hi_bufs.index(stage))
@@ -120,7 +130,8 @@ def _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C: gl.c
 
 
 @gluon.jit
-def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready, q_empty,
+def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, ready, empty,
+              q_ready, q_empty,
               qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
               q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
               da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr, qk_dot_ptr,
@@ -128,7 +139,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
               C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
               BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
               TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, Q_IN_PLACE: gl.constexpr,
-              WEIGHED_BUFFER: gl.constexpr, num_warps: gl.constexpr):
+              WEIGHED_BUFFER: gl.constexpr, RING_WEIGHTS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     ROTATION_DTYPE: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
@@ -157,9 +168,11 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         stage = i % NUM_BUFFERS
         t0 = (c_first + i) * C
         disc = bh * S + t0
-        # The chunk's per-token weights: a few floats from L2, asked for before the wait on its tiles.
-        da_rev = gl.load(da_rev_ptr + disc + token)
-        trap_scale = gl.load(trap_scale_ptr + disc + token)
+        # The chunk's per-token weights: a few floats from L2, asked for before the wait on its tiles (the first two
+        # from the stage with RING_WEIGHTS; the rest are used after the step's first products).
+        if not RING_WEIGHTS:
+            da_rev = gl.load(da_rev_ptr + disc + token)
+            trap_scale = gl.load(trap_scale_ptr + disc + token)
         decay = gl.exp(gl.load(da_cs_ptr + disc + C - 1))
         da_row = gl.load(da_cs_ptr + disc + score_row % C)
         da_col = gl.load(da_cs_ptr + disc + score_col % C)
@@ -168,6 +181,9 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         y_decay = gl.exp(gl.load(da_cs_ptr + disc + y_row % C))
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
+        if RING_WEIGHTS:
+            da_rev = weight_bufs.index(2 * stage).load(token_layout)
+            trap_scale = weight_bufs.index(2 * stage + 1).load(token_layout)
         if TABLE_DTYPE is None:
             cos = gl.where(rotated, cos_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 1.0)
             sin = gl.where(rotated, sin_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 0.0)
@@ -268,12 +284,14 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                          BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                          num_warps: gl.constexpr, HALF_ROTATION: gl.constexpr = False,
                          TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True,
-                         Q_IN_PLACE: gl.constexpr = False, WEIGHED_BUFFER: gl.constexpr = False):
+                         Q_IN_PLACE: gl.constexpr = False, WEIGHED_BUFFER: gl.constexpr = False,
+                         RING_WEIGHTS: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one P tile of the whole state, storing the state entering
     each chunk and the chunk's raw_y (and, in P tile 0, qk_dot).  The segment starts from the earlier segments'
     end states folded (``seg_state``, from the end-state pass; unused with one segment).  With Q_IN_PLACE, q has a
     one-stage ring of its own and is rotated where it lands (no q~ operands: what lets a 64-wide P tile fit); with
-    WEIGHED_BUFFER the weighed scores have a buffer of their own, so q's stage is freed before raw_y's product."""
+    WEIGHED_BUFFER the weighed scores have a buffer of their own, so q's stage is freed before raw_y's product; with
+    RING_WEIGHTS the producer copies each chunk's da_rev and trap_scale into the ring beside its tiles."""
     HALF: gl.constexpr = N // 2
     pid_p = gl.program_id(0)
     seg = gl.program_id(1)
@@ -354,31 +372,41 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
         k_bias_lo.index(r).store(gl.load(k_bias_ptr + bias_row).to(bias_dtype))
         k_bias_hi.index(r).store(gl.load(k_bias_ptr + HALF + bias_row).to(bias_dtype))
         psi_smem.index(r).store(gl.load(psi_ptr + (h * R + r) * P + psi_col))
+    if RING_WEIGHTS:
+        # Rows 2 * stage (da_rev) and 2 * stage + 1 (trap_scale) of each ring stage; allocated last, so the other
+        # buffers keep their offsets.
+        weight_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_BUFFERS, C], plain)
+    else:
+        weight_bufs = psi_smem  # not used
 
     gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
     gl.warp_specialize([
-        (_consumer, (q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready,
-                     q_empty, qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem, out_lo_smem,
-                     out_hi_smem,
+        (_consumer, (q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, ready,
+                     empty, q_ready, q_empty, qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem,
+                     out_lo_smem, out_hi_smem,
                      q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
                      da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr,
                      qk_dot_ptr, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
                      C, R, N, P, RD, BLOCK_P, BLOCK_SEG_CHUNKS, HALF_ROTATION, TABLE_DTYPE, SCALED_RAW_Y,
-                     Q_IN_PLACE, WEIGHED_BUFFER, num_warps)),
+                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, num_warps)),
         (_producer, (q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs,
-                     cos_bufs, sin_bufs, v_bufs, ready, empty, q_ready, q_empty, b, h, g, c_first * C, p0, S,
-                     n_steps, C, N, P, RD, FROM_ANGLES, Q_IN_PLACE)),
+                     cos_bufs, sin_bufs, v_bufs, weight_bufs, da_rev_ptr, trap_scale_ptr, ready, empty, q_ready,
+                     q_empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD, FROM_ANGLES, Q_IN_PLACE,
+                     RING_WEIGHTS)),
     ], [1], [PRODUCER_REGISTERS])
 
 
-def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_place=False, weighed_buffer=False):
+def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_place=False, weighed_buffer=False,
+                 ring_weights=False):
     """The kernel's shared memory at N = 128: the ring's stages (k, with q unless ``q_in_place``, the angles or the
     two 16-bit tables, v), q's own stage where it is rotated in place, the [rows, 64] k~ operands (and q~'s unless
     in place), the two psiv, the weighed scores' buffer (``weighed_buffer``), the state-store buffers and the
-    bias / Psi rows (the bias in the rotation's dtype: fp32, or bf16 with ``half_rotation``).  The compiler adds
-    barriers and alignment (a few hundred bytes)."""
+    bias / Psi rows (the bias in the rotation's dtype: fp32, or bf16 with ``half_rotation``), and with
+    ``ring_weights`` each stage's da_rev and trap_scale rows.  The compiler adds barriers and alignment (a few hundred
+    bytes)."""
     half_box = ROWS * BLOCK_HALF * 2  # one N/2 half of q or k for a chunk: [R, C, 64] bf16
     stage = (2 if q_in_place else 4) * half_box + C * BLOCK_HALF * 4 + C * block_p * 2
+    stage += 2 * C * 4 if ring_weights else 0
     fixed = (2 * half_box if q_in_place else 0) + (2 if q_in_place else 4) * ROWS * BLOCK_HALF * 2
     fixed += 2 * ROWS * block_p * 2 + (ROWS * ROWS * 2 if weighed_buffer else 0) + 2 * STATE_ROWS * block_p * 2
     fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * block_p * 4
@@ -398,18 +426,20 @@ def _fits(**layout):
 
 
 @functools.lru_cache(maxsize=None)
-def plan(*, C, R, P, half_rotation=False, block_p=None):
+def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False):
     """The widest P tile (64, else 32; or ``block_p``) that divides P and fits the 99 KB bound, with its layout, or
     None.  At 32 columns q~ and k~ have operands of their own beside one or two ring stages.  At 64 (one program
     covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit: q is rotated where it
     lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed before
-    raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  Cached: every
-    call asks it from ``unsupported``, the production path and ``scan_outputs``."""
+    raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  ``ring_weights``:
+    the stages hold the chunk's da_rev and trap_scale too.  Cached: every call asks it from ``unsupported``, the
+    production path and ``scan_outputs``."""
     for width in (block_p,) if block_p else (64, 32):
         if P % width:
             continue
         in_place = width > 32
-        layout = dict(C=C, R=R, block_p=width, half_rotation=half_rotation, q_in_place=in_place)
+        layout = dict(C=C, R=R, block_p=width, half_rotation=half_rotation, q_in_place=in_place,
+                      ring_weights=ring_weights)
         weighed = in_place and _fits(**layout, weighed_buffer=True)
         layout.update(weighed_buffer=weighed)
         if _fits(**layout):
@@ -417,7 +447,7 @@ def plan(*, C, R, P, half_rotation=False, block_p=None):
     return None
 
 
-def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block_p=None):
+def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block_p=None, ring_weights=False):
     """What keeps the kernel from covering this problem: a list of reasons, empty where it does.
     ``dtypes``: (q, k, v, states) and the rotation tables' (or the angles' table dtype)."""
     C = chunk_size
@@ -426,7 +456,7 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block
         problems.append(f"N = {2 * BLOCK_HALF}, got N={N}")
     if C * R != ROWS or C % 8:
         problems.append(f"C * R = {ROWS} with C a multiple of 8, got C={C}, R={R}")
-    elif plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p) is None:
+    elif plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights) is None:
         problems.append(f"a P tile of {block_p or '32 or 64'} dividing P with one ring stage within {SMEM_LIMIT} "
                         f"bytes of shared memory, got P={P}, C={C}, R={R}")
     if S % C:
@@ -438,7 +468,7 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block
 
 
 def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None, angles=None, table_dtype=None,
-                tensors=(), half_rotation=False, block_p=None):
+                tensors=(), half_rotation=False, block_p=None, ring_weights=False):
     """None where the kernel covers this call (the scan and output arguments as ``scan_outputs`` takes them), else
     the reason: a Hopper GPU outside the interpreter, contiguous 16-byte aligned tensors (``tensors`` names more to
     check), and ``shape_problems``."""
@@ -453,7 +483,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
     _, S, R, _, N = q.shape
     problems = shape_problems(S=S, R=R, N=N, P=v.shape[3], chunk_size=chunk_size,
                               dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
-                              half_rotation=half_rotation, block_p=block_p)
+                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
     if (v.shape[2] * trig["RD"] * 2) % 16:
         problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {v.shape[2] * trig['RD']}")
     return "; ".join(problems) or None
@@ -461,7 +491,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
 
 def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
                  raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
-                 angles=None, table_dtype=None, half_rotation=False, block_p=None, **_unused):
+                 angles=None, table_dtype=None, half_rotation=False, block_p=None, ring_weights=False, **_unused):
     """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
     skip), through one kernel.
 
@@ -472,16 +502,17 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     Writes states [B, H, nch, N, P] bf16, qk_dot [B, H, S, R, R], raw_y [B, H, S, R, P] (fp16 with raw_y_scale
     [B, H, S, R, P / block_p] fp32, the factor undoing each row's power of two, or fp32 with raw_y_scale None).
     ``half_rotation``: q's and k's bias add and rotation in bf16.  ``block_p``: the P tile (None: ``plan``'s, the
-    widest that fits; raw_y_scale has a column per tile)."""
+    widest that fits; raw_y_scale has a column per tile).  ``ring_weights``: each chunk's da_rev and trap_scale reach
+    the consumer through the ring (copied by the producer) rather than by its own loads."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=chunk_size,
                               dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
-                              half_rotation=half_rotation, block_p=block_p)
+                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
     if problems:
         raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
-    layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p)
+    layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
     if raw_y_scale is not None and raw_y_scale.shape[-1] != P // layout.block_p:
         raise ValueError(f"gluon_scan_outputs: raw_y_scale needs {P // layout.block_p} columns (P tiles of "
                          f"{layout.block_p}), got {raw_y_scale.shape[-1]}")
@@ -496,4 +527,5 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=MAX_REGISTERS,
            HALF_ROTATION=half_rotation, SCALED_RAW_Y=raw_y_scale is not None,
            **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}),
-           **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}))
+           **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}),
+           **({"RING_WEIGHTS": True} if ring_weights else {}))

@@ -244,6 +244,8 @@ class ScanConfig:
     ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM (docs/optimization.md section 51).
     scan_outputs_block_p: that kernel's P tile, 32 or 64 (0: the widest that divides P and fits,
     ``gluon_scan_outputs.plan``; at 64 q is rotated in place, section 52).
+    scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
+    its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; not timed).
     """
 
     block_p: int
@@ -285,6 +287,7 @@ class ScanConfig:
     angles_in_kernels: bool = False
     scan_outputs: bool = False
     scan_outputs_block_p: int = 0
+    scan_outputs_ring_weights: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -690,7 +693,8 @@ def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation):
     from . import gluon_scan_outputs
 
     rotation = {name: scan.get(name) for name in ("cos_angles", "sin_angles", "angles", "table_dtype")}
-    tile = dict(half_rotation=half_rotation, block_p=config.scan_outputs_block_p or None)
+    tile = dict(half_rotation=half_rotation, block_p=config.scan_outputs_block_p or None,
+                ring_weights=config.scan_outputs_ring_weights)
     problem = gluon_scan_outputs.unsupported(q=q, k=scan["k"], v=scan["v"], states=states,
                                              chunk_size=scan["chunk_size"], tensors=dict(qk_dot=qk_dot), **rotation,
                                              **tile)
@@ -831,7 +835,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             if fused:
                 fused.scan_outputs(**dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias, states=handoff,
                                    seg_state=seg_end, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale,
-                                   half_rotation=scan_rotation_16bit)
+                                   half_rotation=scan_rotation_16bit, ring_weights=config.scan_outputs_ring_weights)
             else:
                 chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                            max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
