@@ -397,7 +397,7 @@ def run(args):
                 continue
             if impl == "production" and config is None:
                 config = choose_config(B=args.B, H=args.H, S=args.S, num_sms=props.multi_processor_count,
-                                       has_z=has_z, half_tables=half_tables, **shape)
+                                       has_z=has_z, half_tables=half_tables, hopper=props.major == 9, **shape)
             record = dict(case=name, impl=impl, z=has_z, output_dtype=args.output_dtype, dtype=args.dtype,
                           B=args.B, S=args.S, H=args.H, G=args.G, ms=ms, graph_ms=graph_ms, floor_ms=floor_ms,
                           floor_ratio=ms / floor_ms, tflops=flops / (ms * 1e-3) / 1e12, first_call_ms=first_ms,

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from mamba3_mimo.bench import OFFICIAL_CASES, geomean, launch_sequence, parse_case, sweep_configs
 from mamba3_mimo.ops import production
@@ -292,6 +293,42 @@ def test_dispatcher_gate_in_scan(R, C, has_z, in_scan):
     in_scan = in_scan and not (not has_z and C <= 16 and 64 in production.SCAN_OUTPUTS_WITHOUT_Z_P)
     assert config.split_gate and config.gate_in_scan is in_scan
     assert not in_scan or config.gate_tokens == ScanConfig.gate_tokens
+
+
+@pytest.mark.parametrize("case", ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8"])
+def test_dispatcher_keeps_the_gate_in_chunk_scan_without_z_off_hopper(case):
+    """Without Z the fused storing scan replaces chunk_scan's gate only where it runs (hopper): elsewhere its
+    fallback is the split gate, which loses to chunk_scan's without Z (section 19)."""
+    shape = dict(B=4, H=16, S=2048, num_sms=132, has_z=False, **parse_case(case))
+    off_hopper = choose_config(**shape, hopper=False)
+    assert off_hopper.gate_in_scan and not off_hopper.scan_outputs
+    on_hopper = choose_config(**shape)
+    fused = parse_case(case)["P"] in production.SCAN_OUTPUTS_WITHOUT_Z_P
+    assert on_hopper.scan_outputs is fused and on_hopper.gate_in_scan is not fused
+    # Everything else as on Hopper.
+    assert dataclasses.replace(on_hopper, gate_in_scan=True, scan_outputs=False, gluon_gate=False,
+                               gate_tokens=ScanConfig.gate_tokens) == off_hopper
+
+
+def test_production_asks_the_dispatcher_whether_the_gluon_kernels_run(monkeypatch):
+    """The production path passes ``hopper`` to the dispatcher from the inputs' device: False on the CPU."""
+    from mamba3_mimo import api
+    from mamba3_mimo.inputs import make_inputs
+
+    asked = []
+
+    class Asked(Exception):
+        pass
+
+    def spy(**kw):
+        asked.append(kw)
+        raise Asked
+
+    monkeypatch.setattr(production, "choose_config", spy)
+    inputs = make_inputs(B=1, S=32, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=torch.bfloat16, seed=0, z=False)
+    with pytest.raises(Asked):
+        api.bwd_fwd(**inputs, output_dtype=torch.bfloat16)
+    assert asked and asked[0]["hopper"] is False and asked[0]["has_z"] is False
 
 
 def test_sweep_at_one_rank_offers_gate_grads_with_its_token_range():

@@ -59,12 +59,18 @@ def compiled_for_gpu(tensor):
     return tensor.is_cuda
 
 
+def compiled_for_hopper(tensor):
+    """True where the kernels run compiled for a Hopper GPU (compute capability 9.x): where the Gluon kernels (wgmma,
+    TMA) can run."""
+    return compiled_for_gpu(tensor) and _capability_major(tensor.device.index) == 9
+
+
 def dependent_launch_supported(tensor):
     """True where a call on ``tensor``'s device may use programmatic dependent launch (``launch.dependent_launches``):
-    compiled for a Hopper GPU (compute capability 9.x), the only kind it has been built for and checked on.  Later
-    GPUs have the instructions too, but graph capture with the launch attribute is reported to fail on sm_120
-    (sgl-project/sglang#18596), and nothing here has run there."""
-    return compiled_for_gpu(tensor) and _capability_major(tensor.device.index) == 9
+    compiled for a Hopper GPU, the only kind it has been built for and checked on.  Later GPUs have the instructions
+    too, but graph capture with the launch attribute is reported to fail on sm_120 (sgl-project/sglang#18596), and
+    nothing here has run there."""
+    return compiled_for_hopper(tensor)
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,8 +39,8 @@ from .chunk_scan import chunk_scan, chunk_scan_meta, refuse_miscompiled_tile
 from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
-from .host_utils import (cdiv, compiled_for_gpu, dependent_launch_supported, next_power_of_2, precise_exp,
-                         rotation_math_dtype)
+from .host_utils import (cdiv, compiled_for_gpu, compiled_for_hopper, dependent_launch_supported, next_power_of_2,
+                         precise_exp, rotation_math_dtype)
 from .launch import dependent_launches, forbid_replay
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
@@ -318,7 +318,7 @@ class ScanConfig:
 # Cached: a call's host work is several times the device time on small problems (benchmarks/host_profile.py).
 @functools.lru_cache(maxsize=256)
 def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has_z=True, half_tables=True,
-                  swept_knobs=None):
+                  swept_knobs=None, hopper=True):
     """Pick tiles, segments and chunk groups for one problem (see docs/optimization.md).
 
     ``split_gate``: force the split (True) or the fused (False) output stage, with the settings that go
@@ -326,7 +326,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     ``half_tables``: the rotation tables are fp16 (``rotation_table_dtype``: bf16 activations, as on the
     official grid), which leaves the state scans fewer registers and room for more programs an SM.
     ``swept_knobs``: take the knobs of ``DISPATCH_SWEPT_KNOBS`` (True), leave them off (False), or follow that
-    constant (None).  The config is for the chunk the kernels walk: ``inner_chunk_size(chunk_size, R)``.
+    constant (None).  ``hopper``: the Gluon kernels can run (False: rules that pay only through one of them and cost
+    the Triton path that replaces it are not taken).  The config is for the chunk the kernels walk:
+    ``inner_chunk_size(chunk_size, R)``.
     """
     chunk_size = inner_chunk_size(chunk_size, R)
     nch = cdiv(S, chunk_size)
@@ -471,8 +473,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # dfc7f4a (2026-12-07_h100_sweep_noz_dfc7f4a_scan_outputs.json, graph us, gate in chunk_scan -> fused pass + Gluon
     # gate_grads / Triton): N128_P64_R4_C16 305.2 -> 283.7 / 283.7, N128_P32 254.8 -> 219.1 / 220.5, R8_C8 610.4 ->
     # 551.7 / 548.0; R2_C32 175.9 -> 179.0 / 178.4 (32-token chunks: a slower fused step) stays; R1_C64 does not fit.
-    fused_without_z = bool(swept and not has_z and N == 128 and P in SCAN_OUTPUTS_WITHOUT_Z_P and chunk_size * R == 64
-                           and chunk_size <= 16)
+    # Off Hopper the fused kernel does not run, and the split gate without it loses to chunk_scan's (section 19).
+    fused_without_z = bool(swept and hopper and not has_z and N == 128 and P in SCAN_OUTPUTS_WITHOUT_Z_P
+                           and chunk_size * R == 64 and chunk_size <= 16)
     gate_in_scan = bool(split_gate and (R == 1 or not has_z) and not fused_without_z)
     # The D skip in the gate's fp32 math (d_in_gate) on the split shapes with P <= 64.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
@@ -715,7 +718,8 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
     if config is None:
         num_sms = _sm_count(q.device.index) if q.is_cuda else 4
         config = choose_config(B=B, H=H, S=S, N=N, P=P, R=R, chunk_size=chunk_size, num_sms=num_sms,
-                               has_z=z is not None, half_tables=rotation_dtype == torch.float16)
+                               has_z=z is not None, half_tables=rotation_dtype == torch.float16,
+                               hopper=compiled_for_hopper(q))
     if config.split_gate and compiled_for_gpu(q):
         # chunk_scan refuses these tiles too; here it is before the first launch.
         meta = chunk_scan_meta(chunk_size=chunk_size, R=R, N=N, block_p=config.out_block_p,
