@@ -684,8 +684,8 @@ def test_official_grid_fused_output(check_kernel, shape):
 @requires_cuda
 def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
     """The official N = 128, P = 64 shapes through the fused storing scan over its 64-wide P tile (q rotated in
-    place; optimization.md section 52): timed to win there, and the dispatcher takes it (``SCAN_OUTPUTS_P``) only
-    once this full-size check has passed on a GPU."""
+    place; optimization.md section 52): timed to win there; the dispatcher took it (``SCAN_OUTPUTS_P``) once this
+    full-size check had passed on a GPU (section 53), and it is kept whatever the dispatcher says."""
     from mamba3_mimo.ops import gluon_scan_outputs
     from mamba3_mimo.ops.production import choose_config
 
