@@ -679,6 +679,16 @@ def test_official_grid_fused_output(check_kernel, shape):
                  ref_device="kernel", config=fused, **sizes)
 
 
+def _fused_tiles(monkeypatch):
+    """The P tile of each fused storing scan launch the test's calls make (``gluon_scan_outputs.scan_outputs``)."""
+    from mamba3_mimo.ops import gluon_scan_outputs
+
+    tiles = []
+    fused = gluon_scan_outputs.scan_outputs
+    monkeypatch.setattr(gluon_scan_outputs, "scan_outputs", lambda **kw: (tiles.append(kw["block_p"]), fused(**kw))[1])
+    return tiles
+
+
 @pytest.mark.parametrize("shape", ["N128_P64_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32"])
 @pytest.mark.gpu
 @requires_cuda
@@ -686,12 +696,9 @@ def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
     """The official N = 128, P = 64 shapes through the fused storing scan over its 64-wide P tile (q rotated in
     place; optimization.md section 52): timed to win there; the dispatcher took it (``SCAN_OUTPUTS_P``) once this
     full-size check had passed on a GPU (section 53), and it is kept whatever the dispatcher says."""
-    from mamba3_mimo.ops import gluon_scan_outputs
     from mamba3_mimo.ops.production import choose_config
 
-    tiles = []
-    fused = gluon_scan_outputs.scan_outputs
-    monkeypatch.setattr(gluon_scan_outputs, "scan_outputs", lambda **kw: (tiles.append(kw["block_p"]), fused(**kw))[1])
+    tiles = _fused_tiles(monkeypatch)
     sizes = parse_shape(shape)
     chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                            **sizes)
@@ -709,13 +716,10 @@ def test_official_scan_outputs_without_z(check_kernel, monkeypatch, shape, gluon
     """The official N = 128, C * R = 64 shapes without Z through the fused storing scan and a gate_grads pass, full
     size: the candidates of the Z-off sweep in section 53.  With the Gluon gate_grads these are the dispatcher's configs
     at N128_P64_R4_C16, N128_P32 and R8_C8 (``SCAN_OUTPUTS_WITHOUT_Z_P``; R2_C32 keeps the gate in chunk_scan)."""
-    from mamba3_mimo.ops import gluon_scan_outputs
     from mamba3_mimo.ops.production import choose_config, gate_tokens_per_program
 
     sizes = parse_shape(shape)
-    calls = []
-    fused = gluon_scan_outputs.scan_outputs
-    monkeypatch.setattr(gluon_scan_outputs, "scan_outputs", lambda **kw: (calls.append(kw["block_p"]), fused(**kw))[1])
+    calls = _fused_tiles(monkeypatch)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     chosen = choose_config(B=4, H=16, S=2048, num_sms=num_sms, has_z=False, **sizes)
     config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, gluon_gate=gluon_gate,

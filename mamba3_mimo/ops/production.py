@@ -474,8 +474,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # gate_grads / Triton): N128_P64_R4_C16 305.2 -> 283.7 / 283.7, N128_P32 254.8 -> 219.1 / 220.5, R8_C8 610.4 ->
     # 551.7 / 548.0; R2_C32 175.9 -> 179.0 / 178.4 (32-token chunks: a slower fused step) stays; R1_C64 does not fit.
     # Off Hopper the fused kernel does not run, and the split gate without it loses to chunk_scan's (section 19).
-    fused_without_z = bool(swept and hopper and not has_z and N == 128 and P in SCAN_OUTPUTS_WITHOUT_Z_P
-                           and chunk_size * R == 64 and chunk_size <= 16)
+    fused_shape = bool(swept and N == 128 and chunk_size * R == 64)  # what the fused storing scan covers
+    fused_without_z = bool(fused_shape and hopper and not has_z and P in SCAN_OUTPUTS_WITHOUT_Z_P and chunk_size <= 16)
     gate_in_scan = bool(split_gate and (R == 1 or not has_z) and not fused_without_z)
     # The D skip in the gate's fp32 math (d_in_gate) on the split shapes with P <= 64.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
@@ -561,8 +561,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # pass 43).  Over two 32-wide P tiles it loses (N128_P64_R4_C16 336 -> 415, R8_C8 623 -> 813, R2_C32 205 -> 256);
     # with the 64-wide tile (q rotated in place, section 52; H100, 368a96c) it wins: N128_P64_R4_C16 337.3 -> 303.1,
     # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4 (SCAN_OUTPUTS_P).
-    scan_outputs = bool(swept and split_gate and not gate_in_scan and N == 128 and P in SCAN_OUTPUTS_P
-                        and chunk_size * R == 64)
+    scan_outputs = bool(fused_shape and split_gate and not gate_in_scan and P in SCAN_OUTPUTS_P)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
