@@ -21,6 +21,7 @@ from mamba3_mimo.ops.gluon_scan_outputs import (  # noqa: E402
     MAX_REGISTERS,
     _scan_outputs_kernel,
     descriptors,
+    GateForm,
     plan,
     shape_problems,
 )
@@ -30,9 +31,10 @@ CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C3
 
 
 def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
-                     block_p=None, ring_weights=False):
+                     block_p=None, ring_weights=False, gate=None):
     """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed, at ``plan``'s P
-    tile (``block_p``: that one), with the per-token weights through the ring where ``ring_weights``."""
+    tile (``block_p``: that one), with the per-token weights through the ring where ``ring_weights``, and with the
+    gate in the pass where ``gate`` is given (``dict(has_z=..., has_d=...)``; bf16 activations and dz)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -41,10 +43,13 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     N, P, R, C = shape["N"], shape["P"], shape["R"], shape["chunk_size"]
     B, S, H = 4, 2048, 16
     table = torch.bfloat16 if half_rotation else torch.float16
+    form = GateForm(**gate) if gate else None
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=C, dtypes=(torch.bfloat16,) * 4 + (table,),
-                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                              gate_form=form)
     assert not problems, problems
-    layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+    layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                  gate_form=form)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)),
                 v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
@@ -57,12 +62,19 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     types.update({name: "*fp32" for name in ("da_cs_ptr", "da_rev_ptr", "gamma_ptr", "trap_scale_ptr", "q_bias_ptr",
                                              "k_bias_ptr", "psi_ptr", "seg_state_ptr", "raw_y_scale_ptr")})
     types.update(raw_y_ptr="*fp16" if scaled_raw_y else "*fp32", qk_dot_ptr="*bf16")
+    # The gate's arguments: qk_dot stand-ins without it (as the wrapper passes them).
+    types.update({name: "*bf16" for name in ("dout_ptr", "z_ptr", "v_ptr", "phi_ptr", "zeta_ptr", "d_ptr", "dz_ptr",
+                                              "dphi_ptr", "dzeta_ptr")})
+    if gate:
+        types.update(raw_y_ptr="*bf16", raw_y_scale_ptr="*bf16",
+                     **{name: "*fp32" for name in ("phi_ptr", "zeta_ptr", "d_ptr", "dphi_ptr", "dzeta_ptr")})
     types.update({name: "i32" for name in ("S", "H", "G", "NCH", "CHUNKS_PER_SEG", "N_SEGMENTS")})
     constants = dict(C=C, R=R, N=N, P=P, RD=N // 4, BLOCK_P=layout.block_p, NUM_BUFFERS=layout.num_buffers,
                      BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4,
                      HALF_ROTATION=half_rotation, SCALED_RAW_Y=scaled_raw_y,
                      TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None,
-                     Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer, RING_WEIGHTS=ring_weights)
+                     Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer, RING_WEIGHTS=ring_weights,
+                     GATE=bool(gate), HAS_Z=bool(gate and gate["has_z"]), HAS_D=bool(gate and gate["has_d"]))
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _scan_outputs_kernel.arg_names}
     source = GluonASTSource(_scan_outputs_kernel, signature, constants)
@@ -87,14 +99,19 @@ def main(argv=None):
         P = parse_case(case)["P"]
         # Each P tile with either rotation, and the dispatcher's form (the widest tile, bf16 rotation) with the
         # per-token weights through the ring.
-        variants = [(block_p, half_rotation, False) for block_p in ((32, 64) if P % 64 == 0 else (32,))
-                    for half_rotation in (False, True)] + [(64 if P % 64 == 0 else 32, True, True)]
-        for block_p, half_rotation, ring_weights in variants:
+        widest = 64 if P % 64 == 0 else 32
+        variants = [(block_p, half_rotation, False, None) for block_p in ((32, 64) if P % 64 == 0 else (32,))
+                    for half_rotation in (False, True)] + [(widest, True, True, None)]
+        # The gate in the pass, in the dispatcher's form: with Z and D (the official grid), and without Z.
+        variants += [(widest, True, False, dict(has_z=has_z, has_d=True)) for has_z in (True, False)]
+        for block_p, half_rotation, ring_weights, gate in variants:
             layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
-                          half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
-            kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
-            record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, **layout._asdict(),
-                          **summary(kernel), **global_copies(kernel))
+                          half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                          gate_form=GateForm(**gate) if gate else None)
+            kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                                      gate=gate)
+            record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, gate=gate,
+                          **layout._asdict(), **summary(kernel), **global_copies(kernel))
             print(record, flush=True)
             records.append(record)
     if args.json:

@@ -70,6 +70,8 @@ SPLIT_SCAN_OUTPUTS = dataclasses.replace(SPLIT_GLUON_GATE, block_p=64, gluon_sca
                                          scan_outputs=True, scan_outputs_block_p=32)
 SPLIT_SCAN_OUTPUTS_64 = dataclasses.replace(SPLIT_SCAN_OUTPUTS, scan_outputs_block_p=64)
 SPLIT_SCAN_OUTPUTS_RING = dataclasses.replace(SPLIT_SCAN_OUTPUTS_64, scan_outputs_ring_weights=True)
+# The gate in the fused pass (dz's rank sum through k~'s operands, the segments' partials), with and without Z.
+SPLIT_SCAN_OUTPUTS_GATE = dataclasses.replace(SPLIT_SCAN_OUTPUTS_64, scan_outputs_gate=True)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -127,6 +129,10 @@ CASES = [
      dict(B=1, S=128, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("production-split-scan-outputs-ring", "production", SPLIT_SCAN_OUTPUTS_RING,
      dict(B=1, S=128, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-scan-outputs-gate", "production", SPLIT_SCAN_OUTPUTS_GATE,
+     dict(B=1, S=128, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-scan-outputs-gate-noz", "production", SPLIT_SCAN_OUTPUTS_GATE,
+     dict(B=1, S=128, H=2, G=1, N=128, P=64, R=8, chunk_size=8, dtype=BF16, z=False, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,

@@ -250,6 +250,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         scan_outputs=[False, True],
         scan_outputs_block_p=[0, 32, 64],
         scan_outputs_ring_weights=[False, True],
+        scan_outputs_gate=[False, True],
     )
     groups = [{name: values} for name, values in knobs.items()]
     if knob_names is not None:

@@ -7,6 +7,7 @@ against the float64 reference (the accuracy contract) and against the call witho
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -48,18 +49,26 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
     for record in compiled:
         shape = gluon_scan_outputs_probe.parse_case(record["case"])
         C, R = shape["chunk_size"], shape["R"]
+        form = gluon_scan_outputs.GateForm(**record["gate"]) if record["gate"] else None
         layout = gluon_scan_outputs.plan(C=C, R=R, P=shape["P"], half_rotation=record["half_rotation"],
-                                         block_p=record["block_p"], ring_weights=record["ring_weights"])
+                                         block_p=record["block_p"], ring_weights=record["ring_weights"],
+                                         gate_form=form)
         assert layout._asdict() == {name: record[name] for name in layout._fields}, record
         assert layout.q_in_place == (layout.block_p == 64)
         model = gluon_scan_outputs.shared_bytes(C=C, R=R, half_rotation=record["half_rotation"],
-                                                ring_weights=record["ring_weights"], **layout._asdict())
+                                                ring_weights=record["ring_weights"], gate_form=form,
+                                                **layout._asdict())
         assert record["shared"] <= gluon_state_scan.SMEM_LIMIT, record
         # The model counts every buffer; the compiler adds barriers and alignment.
         assert model <= record["shared"] <= model + 768, (model, record)
         # 32-wide: no spill, but at C = 32 (32-row rank tiles of q and k to rotate): 128 B in fp32, 8 B in bf16.
-        # 64-wide (twice the state, q~ @ state and raw_y columns at the same 232 registers): 80-192 B.
-        assert record["stack"] <= (192 if layout.block_p == 64 else 0 if C <= 16 else 128), record
+        # 64-wide (twice the state, q~ @ state and raw_y columns at the same 232 registers): 80-192 B.  The gate in
+        # the pass adds the chunk's dout / z / v rows and the gate's math beside the state: 24 B at 32 wide, 144-640
+        # B at 64.
+        if record["gate"]:
+            assert record["stack"] <= (640 if layout.block_p == 64 else 24), record
+        else:
+            assert record["stack"] <= (192 if layout.block_p == 64 else 0 if C <= 16 else 128), record
         assert gluon_state_scan.PRODUCER_REGISTERS.value in record["setmaxnreg"], record
         # Seven products a chunk, each of several wgmma instructions.
         assert record["HGMMA"] >= 7, record
@@ -71,7 +80,7 @@ def test_ring_weights_take_the_consumers_weight_loads(compiled):
     ring = [record for record in compiled if record["ring_weights"]]
     assert {record["case"] for record in ring} == set(gluon_scan_outputs_probe.CASES)
     for record in ring:
-        plain = [other for other in compiled if not other["ring_weights"] and all(
+        plain = [other for other in compiled if not other["ring_weights"] and not other["gate"] and all(
             other[name] == record[name] for name in ("case", "block_p", "half_rotation"))]
         assert len(plain) == 1, record
         assert record["kernel_LDG"] < plain[0]["kernel_LDG"], (record, plain[0])
@@ -103,6 +112,12 @@ def test_plan_takes_the_widest_p_tile_that_fits():
     assert gluon_scan_outputs.plan(C=16, R=4, P=64) == (64, 1, True, False)
     assert gluon_scan_outputs.plan(C=32, R=2, P=64, **bf16) == (64, 1, True, False)
     assert gluon_scan_outputs.plan(C=16, R=4, P=96, block_p=64) is None
+    # The gate's head tiles take the weighed scores' buffer's room but where Phi is the only one (no Z, no D).
+    for has_z, has_d in itertools.product((False, True), repeat=2):
+        gate = gluon_scan_outputs.GateForm(has_z, has_d)
+        weighed = not (has_z or has_d)
+        assert gluon_scan_outputs.plan(C=16, R=4, P=64, gate_form=gate, **bf16) == (64, 1, True, weighed)
+        assert gluon_scan_outputs.plan(C=8, R=8, P=64, gate_form=gate, **bf16) == (64, 1, True, False)
     for C, R in ((16, 4), (8, 8), (32, 2)):
         for half_rotation in (False, True):
             layout = gluon_scan_outputs.plan(C=C, R=R, P=64, half_rotation=half_rotation)
@@ -151,6 +166,16 @@ FUSED_CASES = [
     dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, ring=True),
     dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=False, ring=True),
     dict(N=128, P=32, R=2, chunk_size=32, S=256, H=2, G=1, angles=False, half=False, z=True, ring=True),
+    # The gate in the pass (scan_outputs_gate): the dispatcher's form with and without Z, without D, 8-token chunks
+    # (two ranks a warp), 32-token chunks (a rank over two warps), a 32-wide tile with the tables, P = 128 over two
+    # 64-wide tiles.
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, gate=True),
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=False, gate=True),
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, gate=True, d=False),
+    dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=True, gate=True),
+    dict(N=128, P=64, R=2, chunk_size=32, S=256, H=2, G=1, angles=True, half=True, z=True, gate=True),
+    dict(N=128, P=32, R=4, chunk_size=16, S=256, H=2, G=1, angles=False, half=False, z=True, gate=True),
+    dict(N=128, P=128, R=4, chunk_size=16, S=128, H=2, G=1, angles=True, half=True, z=True, gate=True),
 ]
 
 
@@ -166,20 +191,36 @@ def _spy(monkeypatch):
     return calls, tiles
 
 
+def _spy_gate(monkeypatch):
+    """Records each gate_grads launch (either kernel) of the calls that follow."""
+    from mamba3_mimo.ops import gluon_gate_grads, production
+
+    gates = []
+    for module, name in ((production, "gate_grads"), (gluon_gate_grads, "gluon_gate_grads")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda _kernel=kernel, _name=name, **kw: (gates.append(_name),
+                                                                                   _kernel(**kw))[1])
+    return gates
+
+
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"R{c['R']}-C{c['chunk_size']}-P{c['P']}"
                          f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}"
-                         f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}{'-ring' if c.get('ring') else ''}")
+                         f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}{'-ring' if c.get('ring') else ''}"
+                         f"{'-gate' if c.get('gate') else ''}{'-nod' if c.get('d') is False else ''}")
 def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkeypatch, case):
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     calls, tiles = _spy(monkeypatch)
     config = _config(case, scan_outputs=True, angles_in_kernels=case["angles"], scan_half_rotation=case["half"],
                      out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0,
-                     scan_outputs_ring_weights=case.get("ring", False))
+                     scan_outputs_ring_weights=case.get("ring", False), scan_outputs_gate=case.get("gate", False))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
+    gates = _spy_gate(monkeypatch)
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
-                 z=case["z"], **shape)
+                 z=case["z"], d=case.get("d", True), **shape)
     assert calls and "chunk_scan" not in calls, calls
+    # With the gate in the pass neither gate_grads kernel runs.
+    assert (gates == []) is case.get("gate", False), gates
     # Several segments: the storing pass folds the end-state pass's states.
     assert min(calls) > 1, calls
     assert set(tiles) == {case.get("block_p", 64 if case["P"] % 64 == 0 else 32)}, tiles
@@ -244,3 +285,46 @@ def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch, ring_weights):
     assert args[13] is seg_state and args[14] is outputs["raw_y"] and args[15] is outputs["raw_y_scale"]
     assert constants["SCALED_RAW_Y"] and constants["NUM_BUFFERS"] == 1
     assert list(args[4].block_shape) == [C, 64] and list(args[5].block_shape) == [64, 64]  # v and states boxes
+
+
+@pytest.mark.parametrize("z, d", [(True, True), (False, True), (True, False)], ids=["z-d", "d", "z"])
+def test_host_wrapper_launches_the_gate_in_the_pass(monkeypatch, z, d):
+    """With ``gate`` the wrapper launches GATE (HAS_Z / HAS_D as given) with no raw_y scratch: raw_y's three pointers
+    stand in as qk_dot, the gate's inputs and outputs follow in the kernel's order (absent ones standing in as dout),
+    and the plan leaves room for the gate's head tiles."""
+    launched = []
+    monkeypatch.setattr(gluon_scan_outputs, "launch", lambda kernel, grid, *args, **constants: launched.append(
+        (grid, args, constants)))
+    inputs = make_inputs(B=1, S=64, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=torch.bfloat16, seed=3, z=z,
+                         d=d)
+    B, S, H, P, R, N, C = 1, 64, 2, 64, 4, 128, 16
+    weights = torch.rand(2, B, H, S)
+    qk_dot = torch.empty(B, H, S, R, R, dtype=torch.bfloat16)
+    dphi = torch.empty(B, H, 2, R, P)
+    gate = dict(dout=inputs["dout"], z=inputs["z"], mimo_o=inputs["mimo_o"], mimo_z=inputs["mimo_z"], d=inputs["d"],
+                dz=torch.empty(B, S, H, P, dtype=torch.bfloat16) if z else None, dphi=dphi,
+                dzeta=torch.empty_like(dphi) if z else None)
+    scan = dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], q_bias=inputs["q_bias"], k_bias=inputs["k_bias"],
+                mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=weights[0],
+                trap_scale=weights[1], seg_state=torch.empty(B, H, 2, N, P), chunk_size=C, n_segments=2,
+                chunks_per_segment=2, angles=inputs["angles"], table_dtype=torch.bfloat16, half_rotation=True,
+                states=torch.empty(B, H, S // C, N, P, dtype=torch.bfloat16), qk_dot=qk_dot)
+    gluon_scan_outputs.scan_outputs(**scan, raw_y=None, raw_y_scale=None, gate=gate)
+    (grid, args, constants), = launched
+    assert constants["GATE"] and constants["HAS_Z"] is z and constants["HAS_D"] is d
+    assert grid == (1, 2, B * H) and constants["BLOCK_P"] == 64
+    # Phi's head tile with Zeta's or D Psi's leaves no room for the weighed scores' buffer beside bf16 bias rows.
+    assert constants["Q_IN_PLACE"] and not constants["WEIGHED_BUFFER"]
+    assert args[14] is qk_dot and args[15] is qk_dot and args[16] is qk_dot
+    stand_in = inputs["dout"]
+    want = [inputs["dout"], inputs["z"], inputs["v"], inputs["mimo_o"], inputs["mimo_z"], inputs["d"], gate["dz"],
+            dphi, gate["dzeta"]]
+    for got, expected in zip(args[17:26], want):
+        assert got is (stand_in if expected is None else expected)
+    assert args[26:29] == (S, H, 1)
+    # raw_y and the gate do not go together; the partials must cover every segment.
+    with pytest.raises(ValueError, match="no raw_y scratch"):
+        gluon_scan_outputs.scan_outputs(**scan, raw_y=torch.empty(B, H, S, R, P), raw_y_scale=None, gate=gate)
+    with pytest.raises(ValueError, match="dphi needs"):
+        gluon_scan_outputs.scan_outputs(**scan, raw_y=None, raw_y_scale=None,
+                                        gate=dict(gate, dphi=torch.empty(B, H, 1, R, P)))

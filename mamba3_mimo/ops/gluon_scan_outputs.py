@@ -57,7 +57,7 @@ from .gluon_state_scan import (
 )
 from .host_utils import cdiv, rotation_source
 from .launch import launch
-from .triton_utils import fp16_row_scaled, intra_chunk_weights, table_cos_sin
+from .triton_utils import fp16_row_scaled, intra_chunk_weights, silu_and_grad, table_cos_sin
 
 BLOCK_HALF = 64  # N / 2: a program holds the whole state of its P tile
 ROWS = 64  # C * R: one wgmma M, the rows of the scores and of raw_y
@@ -129,17 +129,70 @@ def _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C: gl.c
     psiv_smem.slice(r * C, C).store((v_rows * psi).to(gl.bfloat16))
 
 
+@gluon.constexpr_function
+def _rank_sum_layout(R, C, block_p, num_warps):
+    """[R, C, P tile] reads of dz's scratch: a thread holds all ranks of 4 columns (the rank sum in registers)."""
+    col_lanes = block_p // 4
+    return gl.BlockedLayout([R, 1, 4], [1, 32 // col_lanes, col_lanes], [1, num_warps, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _gate_loads(dout_ptr, z_ptr, v_ptr, at, offs, HAS_Z: gl.constexpr, HAS_D: gl.constexpr):
+    """The chunk's [C, P tile] rows of dout, z (with Z) and v (with D), as stored; absent ones stand in as dout."""
+    dout = gl.load(dout_ptr + at + offs)
+    z = gl.load(z_ptr + at + offs) if HAS_Z else dout
+    v = gl.load(v_ptr + at + offs) if HAS_D else dout
+    return dout, z, v
+
+
+@gluon.jit
+def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_psi_smem, dz_smem, dz_ptr, at, H, P,
+               C: gl.constexpr, R: gl.constexpr, BLOCK_P: gl.constexpr, HAS_Z: gl.constexpr, HAS_D: gl.constexpr,
+               num_warps: gl.constexpr):
+    """gate_grads' math on the chunk's raw_y while it is in registers: the D skip in fp32, the running [R, P tile]
+    token sums of dPhi and of dZeta / Phi, and dz (its rank sum through ``dz_smem``) stored for the chunk.
+
+    raw_y [rows, P tile] is viewed as [R, C, P tile] (rank-major rows): a rank's tokens lie in one warp (two at
+    R = 2), so the token sums stay in the warp, and the [C, P tile] rows of dout / z / v broadcast over ranks."""
+    y = gl.reshape(raw_y, [R, C, BLOCK_P])
+    rank_layout: gl.constexpr = dphi_acc.type.layout
+    if HAS_D:
+        y = y + gl.expand_dims(d_psi_smem.load(rank_layout), 1) * gl.expand_dims(v.to(gl.float32), 0)
+    y_dout = y * gl.expand_dims(dout.to(gl.float32), 0)
+    if HAS_Z:
+        z_rows = gl.expand_dims(z.to(gl.float32), 0)
+        zeta = gl.expand_dims(zeta_smem.load(rank_layout), 1)
+        gate, dgate = silu_and_grad(z_rows * zeta, True, False)
+        dphi_acc += gl.sum(gate * y_dout, axis=1)
+        du_over_phi = y_dout * dgate  # dL/du without its Phi factor, which is constant over tokens
+        dzeta_acc += gl.sum(du_over_phi * z_rows, axis=1)
+        # dz sums over ranks, which lie in different warps: through shared memory, a thread then holding every rank
+        # of its columns.
+        dz_smem.store(du_over_phi * (gl.expand_dims(phi_smem.load(rank_layout), 1) * zeta))
+        sum_layout: gl.constexpr = _rank_sum_layout(R, C, BLOCK_P, num_warps)
+        dz = gl.sum(dz_smem.load(sum_layout), axis=0)
+        tok_layout: gl.constexpr = gl.SliceLayout(0, sum_layout)
+        t = gl.arange(0, C, gl.SliceLayout(1, tok_layout))
+        p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, tok_layout))
+        gl.store(dz_ptr + at + (t[:, None] * (H * P) + p[None, :]), dz.to(dz_ptr.dtype.element_ty))
+    else:
+        dphi_acc += gl.sum(y_dout, axis=1)
+    return dphi_acc, dzeta_acc
+
+
 @gluon.jit
 def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, ready, empty,
               q_ready, q_empty,
               qa_lo, qa_hi, ka_lo, ka_hi, weighed_smem, psiv_w_smem, psiv_smem, out_lo_smem, out_hi_smem,
               q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
               da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr, qk_dot_ptr,
-              bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
+              dout_ptr, z_ptr, v_ptr, dz_ptr, dphi_ptr, dzeta_ptr, phi_smem, zeta_smem, d_psi_smem, dz_smem,
+              b, h, H, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
               C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
               BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
               TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, Q_IN_PLACE: gl.constexpr,
-              WEIGHED_BUFFER: gl.constexpr, RING_WEIGHTS: gl.constexpr, num_warps: gl.constexpr):
+              WEIGHED_BUFFER: gl.constexpr, RING_WEIGHTS: gl.constexpr, GATE: gl.constexpr, HAS_Z: gl.constexpr,
+              HAS_D: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     ROTATION_DTYPE: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
@@ -164,6 +217,18 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
     all_rows = score_row < _ROWS
     all_cols = score_col < _ROWS
     bh64 = bh.to(gl.int64)
+    if GATE:
+        # The gate's running token sums, [R, P tile] in the layout of raw_y viewed as [R, C, P tile] and summed over
+        # tokens; the chunk's dout / z / v rows [C, P tile] in that view's layout without its ranks.
+        y_view = gl.reshape(gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), [R, C, BLOCK_P])
+        dphi_acc = gl.sum(y_view, axis=1)
+        dzeta_acc = dphi_acc
+        rank_layout: gl.constexpr = dphi_acc.type.layout
+        rows_layout: gl.constexpr = gl.SliceLayout(0, y_view.type.layout)
+        gate_t = gl.arange(0, C, gl.SliceLayout(1, rows_layout))
+        gate_p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, rows_layout))
+        gate_offs = gate_t[:, None] * (H * P) + gate_p[None, :]
+        act_first = (b.to(gl.int64) * S * H + h) * P + p0  # [B, S, H, P] activations at token 0, column p0
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         t0 = (c_first + i) * C
@@ -267,31 +332,49 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         if Q_IN_PLACE and not WEIGHED_BUFFER:
             mbarrier.arrive(q_empty.index(q_stage), count=1)
 
-        # raw_y [B, H, S, R, P]: row (r, t) of the chunk is row (t0 + t) * R + r of the (b, h) sequence.
-        seq_rows = (bh64 * S + t0 + y_row % C) * R + y_row // C
-        if SCALED_RAW_Y:
-            raw_y, row_unscale = fp16_row_scaled(raw_y)
-            gl.store(raw_y_scale_ptr + seq_rows * P_TILES + pid_p, row_unscale)
-        gl.store(raw_y_ptr + seq_rows[:, None] * P + y_col[None, :], raw_y.to(raw_y_ptr.dtype.element_ty))
+        if GATE:
+            act = act_first + t0.to(gl.int64) * (H * P)
+            dout, z, v = _gate_loads(dout_ptr, z_ptr, v_ptr, act, gate_offs, HAS_Z, HAS_D)
+            dphi_acc, dzeta_acc = _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_psi_smem,
+                                             dz_smem, dz_ptr, act, H, P, C, R, BLOCK_P, HAS_Z, HAS_D, num_warps)
+        else:
+            # raw_y [B, H, S, R, P]: row (r, t) of the chunk is row (t0 + t) * R + r of the (b, h) sequence.
+            seq_rows = (bh64 * S + t0 + y_row % C) * R + y_row // C
+            if SCALED_RAW_Y:
+                raw_y, row_unscale = fp16_row_scaled(raw_y)
+                gl.store(raw_y_scale_ptr + seq_rows * P_TILES + pid_p, row_unscale)
+            gl.store(raw_y_ptr + seq_rows[:, None] * P + y_col[None, :], raw_y.to(raw_y_ptr.dtype.element_ty))
+    if GATE:
+        # The segment's partials [B, H, n_segments, R, P] of dPhi and dZeta (its Phi factor applied once here).
+        part_r = gl.arange(0, R, gl.SliceLayout(1, rank_layout))
+        part_p = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, rank_layout))
+        part = ((bh64 * N_SEGMENTS + seg) * R + part_r)[:, None] * P + part_p[None, :]
+        gl.store(dphi_ptr + part, dphi_acc)
+        if HAS_Z:
+            gl.store(dzeta_ptr + part, dzeta_acc * phi_smem.load(rank_layout))
     tma.store_wait(0)
 
 
 @gluon.jit
 def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc, da_cs_ptr, da_rev_ptr, gamma_ptr,
                          trap_scale_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr,
-                         qk_dot_ptr, S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
+                         qk_dot_ptr, dout_ptr, z_ptr, v_ptr, phi_ptr, zeta_ptr, d_ptr, dz_ptr, dphi_ptr, dzeta_ptr,
+                         S, H, G, NCH, CHUNKS_PER_SEG, N_SEGMENTS,
                          C: gl.constexpr, R: gl.constexpr, N: gl.constexpr, P: gl.constexpr, RD: gl.constexpr,
                          BLOCK_P: gl.constexpr, NUM_BUFFERS: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr,
                          num_warps: gl.constexpr, HALF_ROTATION: gl.constexpr = False,
                          TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True,
                          Q_IN_PLACE: gl.constexpr = False, WEIGHED_BUFFER: gl.constexpr = False,
-                         RING_WEIGHTS: gl.constexpr = False):
+                         RING_WEIGHTS: gl.constexpr = False, GATE: gl.constexpr = False, HAS_Z: gl.constexpr = False,
+                         HAS_D: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one P tile of the whole state, storing the state entering
     each chunk and the chunk's raw_y (and, in P tile 0, qk_dot).  The segment starts from the earlier segments'
     end states folded (``seg_state``, from the end-state pass; unused with one segment).  With Q_IN_PLACE, q has a
     one-stage ring of its own and is rotated where it lands (no q~ operands: what lets a 64-wide P tile fit); with
     WEIGHED_BUFFER the weighed scores have a buffer of their own, so q's stage is freed before raw_y's product; with
-    RING_WEIGHTS the producer copies each chunk's da_rev and trap_scale into the ring beside its tiles."""
+    RING_WEIGHTS the producer copies each chunk's da_rev and trap_scale into the ring beside its tiles; with GATE the
+    consumer applies the gate to each chunk's raw_y in registers (dz, and the segment's dPhi / dZeta partials) instead
+    of storing it."""
     HALF: gl.constexpr = N // 2
     pid_p = gl.program_id(0)
     seg = gl.program_id(1)
@@ -346,8 +429,16 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                                                  gl.NVMMASharedLayout.get_default_for([_ROWS, _ROWS], gl.bfloat16))
     else:
         weighed_smem = q_lo_bufs  # not used
-    ka_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
-    ka_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+    if GATE:
+        # k~'s operands as one buffer: once a chunk's products are done it holds dz's [R, C, P tile] fp32 terms.
+        ka = gl.allocate_shared_memory(gl.bfloat16, [2, _ROWS, _BLOCK_HALF], x_layout)
+        ka_lo = ka.index(0)
+        ka_hi = ka.index(1)
+        dz_smem = ka._reinterpret(gl.float32, [R, C, BLOCK_P], gl.SwizzledSharedLayout(2, 1, 8, [2, 1, 0]))
+    else:
+        ka_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+        ka_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+        dz_smem = ka_lo  # not used
     psiv_w_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
     psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
     store_shape: gl.constexpr = [1] + states_desc.block_type.shape
@@ -378,6 +469,25 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
         weight_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_BUFFERS, C], plain)
     else:
         weight_bufs = psi_smem  # not used
+    if GATE:
+        # The head's Phi, Zeta (with Z) and D Psi (with D) tiles [R, P tile], read by the gate every chunk.
+        tile: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        phi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile)
+        zeta_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile) if HAS_Z else phi_smem
+        d_psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile) if HAS_D else phi_smem
+        tile_regs: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+        head_r = gl.arange(0, R, gl.SliceLayout(1, tile_regs))
+        head_p = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, tile_regs))
+        head_tile = (h * R + head_r)[:, None] * P + head_p[None, :]
+        phi_smem.store(gl.load(phi_ptr + head_tile))
+        if HAS_Z:
+            zeta_smem.store(gl.load(zeta_ptr + head_tile))
+        if HAS_D:
+            d_psi_smem.store(gl.load(d_ptr + h) * gl.load(psi_ptr + head_tile))
+    else:
+        phi_smem = psi_smem  # not used
+        zeta_smem = psi_smem
+        d_psi_smem = psi_smem
 
     gl.thread_barrier()  # the rows above are written by other threads than the consumer's readers
     gl.warp_specialize([
@@ -386,9 +496,10 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                      out_lo_smem, out_hi_smem,
                      q_bias_lo, q_bias_hi, k_bias_lo, k_bias_hi, psi_smem, states_desc,
                      da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, seg_state_ptr, raw_y_ptr, raw_y_scale_ptr,
-                     qk_dot_ptr, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
+                     qk_dot_ptr, dout_ptr, z_ptr, v_ptr, dz_ptr, dphi_ptr, dzeta_ptr, phi_smem, zeta_smem, d_psi_smem,
+                     dz_smem, b, h, H, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
                      C, R, N, P, RD, BLOCK_P, BLOCK_SEG_CHUNKS, HALF_ROTATION, TABLE_DTYPE, SCALED_RAW_Y,
-                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, num_warps)),
+                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, GATE, HAS_Z, HAS_D, num_warps)),
         (_producer, (q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs,
                      cos_bufs, sin_bufs, v_bufs, weight_bufs, da_rev_ptr, trap_scale_ptr, ready, empty, q_ready,
                      q_empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD, FROM_ANGLES, Q_IN_PLACE,
@@ -397,19 +508,24 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
 
 
 def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_place=False, weighed_buffer=False,
-                 ring_weights=False):
+                 ring_weights=False, gate_form=None):
     """The kernel's shared memory at N = 128: the ring's stages (k, with q unless ``q_in_place``, the angles or the
     two 16-bit tables, v), q's own stage where it is rotated in place, the [rows, 64] k~ operands (and q~'s unless
     in place), the two psiv, the weighed scores' buffer (``weighed_buffer``), the state-store buffers and the
     bias / Psi rows (the bias in the rotation's dtype: fp32, or bf16 with ``half_rotation``), and with
-    ``ring_weights`` each stage's da_rev and trap_scale rows.  The compiler adds barriers and alignment (a few hundred
-    bytes)."""
+    ``ring_weights`` each stage's da_rev and trap_scale rows, and with the gate (``gate_form``, a ``GateForm``) its
+    fp32 [R, P tile] head tiles and, at C > 16, its token sums' scratch (its dz scratch is k~'s operands).  The
+    compiler adds barriers and alignment (a few hundred bytes)."""
     half_box = ROWS * BLOCK_HALF * 2  # one N/2 half of q or k for a chunk: [R, C, 64] bf16
     stage = (2 if q_in_place else 4) * half_box + C * BLOCK_HALF * 4 + C * block_p * 2
     stage += 2 * C * 4 if ring_weights else 0
     fixed = (2 * half_box if q_in_place else 0) + (2 if q_in_place else 4) * ROWS * BLOCK_HALF * 2
     fixed += 2 * ROWS * block_p * 2 + (ROWS * ROWS * 2 if weighed_buffer else 0) + 2 * STATE_ROWS * block_p * 2
     fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * block_p * 4
+    if gate_form:
+        # The head tiles; where a rank's rows span C / 16 warps, each token sum's cross-warp scratch.
+        fixed += (1 + gate_form.has_z + gate_form.has_d) * R * block_p * 4
+        fixed += (1 + gate_form.has_z) * R * block_p * 4 * (C // 16 - 1) if C > 16 else 0
     return fixed + num_buffers * stage
 
 
@@ -425,21 +541,28 @@ def _fits(**layout):
     return shared_bytes(**layout) + 768 <= SMEM_LIMIT  # 768 bytes for what the model leaves out
 
 
+class GateForm(NamedTuple):
+    """The gate in the pass: with Z (the SiLU gate, dz and dZeta) and with D (the skip added in fp32)."""
+    has_z: bool
+    has_d: bool
+
+
 @functools.lru_cache(maxsize=None)
-def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False):
+def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate_form=None):
     """The widest P tile (64, else 32; or ``block_p``) that divides P and fits the 99 KB bound, with its layout, or
     None.  At 32 columns q~ and k~ have operands of their own beside one or two ring stages.  At 64 (one program
     covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit: q is rotated where it
     lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed before
     raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  ``ring_weights``:
-    the stages hold the chunk's da_rev and trap_scale too.  Cached: every call asks it from ``unsupported``, the
-    production path and ``scan_outputs``."""
+    the stages hold the chunk's da_rev and trap_scale too; ``gate_form``: the gate in the pass (a ``GateForm``; None
+    where raw_y is stored).  Cached: every call asks it from ``unsupported``, the production path and
+    ``scan_outputs``."""
     for width in (block_p,) if block_p else (64, 32):
         if P % width:
             continue
         in_place = width > 32
         layout = dict(C=C, R=R, block_p=width, half_rotation=half_rotation, q_in_place=in_place,
-                      ring_weights=ring_weights)
+                      ring_weights=ring_weights, gate_form=gate_form)
         weighed = in_place and _fits(**layout, weighed_buffer=True)
         layout.update(weighed_buffer=weighed)
         if _fits(**layout):
@@ -447,7 +570,8 @@ def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False):
     return None
 
 
-def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block_p=None, ring_weights=False):
+def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block_p=None, ring_weights=False,
+                   gate_form=None):
     """What keeps the kernel from covering this problem: a list of reasons, empty where it does.
     ``dtypes``: (q, k, v, states) and the rotation tables' (or the angles' table dtype)."""
     C = chunk_size
@@ -456,7 +580,8 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block
         problems.append(f"N = {2 * BLOCK_HALF}, got N={N}")
     if C * R != ROWS or C % 8:
         problems.append(f"C * R = {ROWS} with C a multiple of 8, got C={C}, R={R}")
-    elif plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights) is None:
+    elif plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+              gate_form=gate_form) is None:
         problems.append(f"a P tile of {block_p or '32 or 64'} dividing P with one ring stage within {SMEM_LIMIT} "
                         f"bytes of shared memory, got P={P}, C={C}, R={R}")
     if S % C:
@@ -467,23 +592,41 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block
     return problems
 
 
+def _gate_problems(gate):
+    """What keeps the gate in the pass from covering ``gate`` (``scan_outputs``' dict): 16-bit dout and z (the
+    approximate sigmoid, as ``gluon_gate_grads``), contiguous activations and outputs."""
+    problems = []
+    for name in ("dout", "z"):
+        tensor = gate.get(name)
+        if tensor is not None and tensor.dtype not in (torch.float16, torch.bfloat16):
+            problems.append(f"16-bit {name} for the gate in the pass, got {tensor.dtype}")
+    return problems
+
+
+def gate_form_of(gate):
+    """The ``GateForm`` of ``scan_outputs``' ``gate`` dict (None without one)."""
+    return GateForm(has_z=gate.get("z") is not None, has_d=gate.get("d") is not None) if gate else None
+
+
 def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None, angles=None, table_dtype=None,
-                tensors=(), half_rotation=False, block_p=None, ring_weights=False):
+                tensors=(), half_rotation=False, block_p=None, ring_weights=False, gate=None):
     """None where the kernel covers this call (the scan and output arguments as ``scan_outputs`` takes them), else
     the reason: a Hopper GPU outside the interpreter, contiguous 16-byte aligned tensors (``tensors`` names more to
-    check), and ``shape_problems``."""
+    check, as do the ``gate`` dict's), and ``shape_problems``."""
     if not q.is_cuda or knobs.runtime.interpret or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "needs a Hopper GPU (wgmma, TMA) outside the Triton interpreter"
     trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
     named = dict(q=q, k=k, v=v, states=states, cos_angles=trig["cos_angles"], sin_angles=trig["sin_angles"],
-                 **dict(tensors))
+                 **dict(tensors), **(gate or {}))
     for name, tensor in named.items():
         if tensor is not None and (not tensor.is_contiguous() or tensor.data_ptr() % 16):
             return f"needs {name} contiguous and 16-byte aligned"
     _, S, R, _, N = q.shape
     problems = shape_problems(S=S, R=R, N=N, P=v.shape[3], chunk_size=chunk_size,
                               dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
-                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                              gate_form=gate_form_of(gate))
+    problems += _gate_problems(gate or {})
     if (v.shape[2] * trig["RD"] * 2) % 16:
         problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {v.shape[2] * trig['RD']}")
     return "; ".join(problems) or None
@@ -491,7 +634,8 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
 
 def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
                  raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
-                 angles=None, table_dtype=None, half_rotation=False, block_p=None, ring_weights=False, **_unused):
+                 angles=None, table_dtype=None, half_rotation=False, block_p=None, ring_weights=False, gate=None,
+                 **_unused):
     """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
     skip), through one kernel.
 
@@ -503,16 +647,28 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     [B, H, S, R, P / block_p] fp32, the factor undoing each row's power of two, or fp32 with raw_y_scale None).
     ``half_rotation``: q's and k's bias add and rotation in bf16.  ``block_p``: the P tile (None: ``plan``'s, the
     widest that fits; raw_y_scale has a column per tile).  ``ring_weights``: each chunk's da_rev and trap_scale reach
-    the consumer through the ring (copied by the producer) rather than by its own loads."""
+    the consumer through the ring (copied by the producer) rather than by its own loads.
+
+    ``gate``: the gate applied in the pass, so no raw_y goes out (raw_y and raw_y_scale None): a dict of dout, z (or
+    None) [B, S, H, P] 16-bit, mimo_o, mimo_z (or None) [H, R, P] fp32, d [H] fp32 (or None: no D skip; with the
+    gate the skip is added here, in fp32), and the outputs dz [B, S, H, P] (None without z) and dphi, dzeta (None
+    without z) [B, H, n_segments, R, P] fp32, the segments' partials of dPhi and dZeta for ``sum_group_partials``."""
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=chunk_size,
                               dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
-                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+                              half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                              gate_form=gate_form_of(gate))
+    problems += _gate_problems(gate or {})
     if problems:
         raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
-    layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights)
+    layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                  gate_form=gate_form_of(gate))
+    if gate and (raw_y is not None or raw_y_scale is not None):
+        raise ValueError("gluon_scan_outputs: with the gate in the pass there is no raw_y scratch")
+    if gate and gate["dphi"].shape != (B, H, n_segments, R, P):
+        raise ValueError(f"gluon_scan_outputs: dphi needs {(B, H, n_segments, R, P)}, got {tuple(gate['dphi'].shape)}")
     if raw_y_scale is not None and raw_y_scale.shape[-1] != P // layout.block_p:
         raise ValueError(f"gluon_scan_outputs: raw_y_scale needs {P // layout.block_p} columns (P tiles of "
                          f"{layout.block_p}), got {raw_y_scale.shape[-1]}")
@@ -521,11 +677,23 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     launch(_scan_outputs_kernel, (P // layout.block_p, n_segments, B * H),
            *(found[name] for name in ("q_desc", "k_desc", "cos_desc", "sin_desc", "v_desc", "states_desc")),
            da_cs, da_cs_rev, gamma, trap_scale, q_bias, k_bias, mimo_v,
-           trap_scale if seg_state is None else seg_state, raw_y, raw_y if raw_y_scale is None else raw_y_scale,
-           qk_dot, S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
+           trap_scale if seg_state is None else seg_state, *_output_args(raw_y, raw_y_scale, qk_dot, gate, v),
+           S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=trig["RD"], BLOCK_P=layout.block_p, NUM_BUFFERS=layout.num_buffers,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=MAX_REGISTERS,
            HALF_ROTATION=half_rotation, SCALED_RAW_Y=raw_y_scale is not None,
            **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}),
            **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}),
-           **({"RING_WEIGHTS": True} if ring_weights else {}))
+           **({"RING_WEIGHTS": True} if ring_weights else {}),
+           **(dict(GATE=True, HAS_Z=gate["z"] is not None, HAS_D=gate["d"] is not None) if gate else {}))
+
+
+def _output_args(raw_y, raw_y_scale, qk_dot, gate, v):
+    """The kernel's arguments from raw_y_ptr to dzeta_ptr; the unused ones stand in as qk_dot (GATE off, or Z / D
+    off within the gate)."""
+    if not gate:
+        return (raw_y, raw_y if raw_y_scale is None else raw_y_scale, qk_dot) + (qk_dot,) * 9
+    stand_in = gate["dout"]
+    args = dict(dout=gate["dout"], z=gate["z"], v=v, phi=gate["mimo_o"], zeta=gate["mimo_z"], d=gate["d"],
+                dz=gate["dz"], dphi=gate["dphi"], dzeta=gate["dzeta"])
+    return (qk_dot, qk_dot, qk_dot) + tuple(stand_in if value is None else value for value in args.values())

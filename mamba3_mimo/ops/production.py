@@ -246,6 +246,9 @@ class ScanConfig:
     ``gluon_scan_outputs.plan``; at 64 q is rotated in place, section 52).
     scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
     its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; not timed).
+    scan_outputs_gate: that kernel also applies the gate to each chunk's raw_y while it is in registers (dz, and the
+    dPhi / dZeta partials of its segment, with the D skip in fp32), so no raw_y scratch goes out and back and
+    ``gate_grads`` is not launched (where the kernel covers the gate: 16-bit dout / z; section 54).
     """
 
     block_p: int
@@ -288,6 +291,7 @@ class ScanConfig:
     scan_outputs: bool = False
     scan_outputs_block_p: int = 0
     scan_outputs_ring_weights: bool = False
+    scan_outputs_gate: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -687,23 +691,26 @@ def _gluon_scan(config, *, scan, states):
     return gluon_state_scan if gluon_state_scan.unsupported(**scan, states=states) is None else None
 
 
-def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation):
-    """(the ``gluon_scan_outputs`` module, its P tile) where ``config`` asks for it (``scan_outputs`` with the stored
-    raw_y and the Gluon scan) and it covers this call, else (None, None)."""
+def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation, gate):
+    """(the ``gluon_scan_outputs`` module, its P tile, whether it applies the gate) where ``config`` asks for it
+    (``scan_outputs`` with the stored raw_y and the Gluon scan) and it covers this call, else (None, None, False).
+    ``gate``: the gate's inputs and dz (``gluon_scan_outputs.scan_outputs``' dict, less the partials), taken where
+    ``scan_outputs_gate`` asks for it and the kernel covers it; else raw_y is stored for ``gate_grads``."""
     if not (config.scan_outputs and config.split_gate and not config.gate_in_scan and gluon):
-        return None, None
+        return None, None, False
     from . import gluon_scan_outputs
 
     rotation = {name: scan.get(name) for name in ("cos_angles", "sin_angles", "angles", "table_dtype")}
     tile = dict(half_rotation=half_rotation, block_p=config.scan_outputs_block_p or None,
                 ring_weights=config.scan_outputs_ring_weights)
-    problem = gluon_scan_outputs.unsupported(q=q, k=scan["k"], v=scan["v"], states=states,
-                                             chunk_size=scan["chunk_size"], tensors=dict(qk_dot=qk_dot), **rotation,
-                                             **tile)
-    if problem is not None:
-        return None, None
-    layout = gluon_scan_outputs.plan(C=scan["chunk_size"], R=q.shape[2], P=scan["v"].shape[3], **tile)
-    return gluon_scan_outputs, layout.block_p
+    covered = dict(q=q, k=scan["k"], v=scan["v"], states=states, chunk_size=scan["chunk_size"],
+                   tensors=dict(qk_dot=qk_dot), **rotation, **tile)
+    with_gate = bool(config.scan_outputs_gate) and gluon_scan_outputs.unsupported(**covered, gate=gate) is None
+    if not with_gate and gluon_scan_outputs.unsupported(**covered) is not None:
+        return None, None, False
+    layout = gluon_scan_outputs.plan(C=scan["chunk_size"], R=q.shape[2], P=scan["v"].shape[3],
+                                     gate_form=gluon_scan_outputs.gate_form_of(gate if with_gate else None), **tile)
+    return gluon_scan_outputs, layout.block_p, with_gate
 
 
 def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
@@ -767,8 +774,10 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         else:
             scan.update(from_angles)
         scan_rotation_16bit = scan_rotation != tl.float32
-        fused, fused_block_p = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot,
-                                             half_rotation=scan_rotation_16bit)
+        fused_gate = dict(dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, d=d, dz=dz)
+        fused, fused_block_p, gate_in_pass = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff,
+                                                           qk_dot=qk_dot, half_rotation=scan_rotation_16bit,
+                                                           gate=fused_gate)
         wanted_segments = config.n_segments
         if fused:
             # gluon_segments, or as many as one wave of programs holds (more where segments would exceed 32 chunks).
@@ -818,7 +827,15 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             defer_qk_dot=config.out_defer_qk_dot)
         # The fused storing pass leaves the D skip to gate_grads.
         d_in_gate = (config.d_in_gate or fused is not None) and d is not None
-        if config.split_gate and config.gate_in_scan:
+        if gate_in_pass:
+            # The fused pass applies the gate itself: its segments' partials, no raw_y scratch, no gate_grads.
+            dphi = torch.empty((B, H, n_segments, R, P), device=q.device, dtype=torch.float32)
+            dzeta = torch.empty_like(dphi) if z is not None else None
+            fused.scan_outputs(**dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias, states=handoff,
+                               seg_state=seg_end, qk_dot=qk_dot, raw_y=None, raw_y_scale=None,
+                               half_rotation=scan_rotation_16bit, ring_weights=config.scan_outputs_ring_weights,
+                               gate=dict(fused_gate, dphi=dphi, dzeta=dzeta))
+        elif config.split_gate and config.gate_in_scan:
             dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                      max_registers=config.out_max_registers,
                                      spans_per_program=config.chunks_per_program, d_in_gate=d_in_gate)
