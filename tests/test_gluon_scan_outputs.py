@@ -63,10 +63,10 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
         assert model <= record["shared"] <= model + 768, (model, record)
         # 32-wide: no spill, but at C = 32 (32-row rank tiles of q and k to rotate): 128 B in fp32, 8 B in bf16.
         # 64-wide (twice the state, q~ @ state and raw_y columns at the same 232 registers): 80-192 B.  The gate in
-        # the pass adds the chunk's dout / z / v rows and the gate's math beside the state: 24 B at 32 wide, 144-640
-        # B at 64.
+        # the pass adds the chunk's dout / z / v rows and the gate's math beside the state: none at 32 wide, 144-520 B
+        # at 64 (R2_C32 with Z the most).
         if record["gate"]:
-            assert record["stack"] <= (640 if layout.block_p == 64 else 24), record
+            assert record["stack"] <= (520 if layout.block_p == 64 else 0), record
         else:
             assert record["stack"] <= (192 if layout.block_p == 64 else 0 if C <= 16 else 128), record
         assert gluon_state_scan.PRODUCER_REGISTERS.value in record["setmaxnreg"], record

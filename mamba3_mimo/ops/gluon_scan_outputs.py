@@ -136,6 +136,15 @@ def _rank_sum_layout(R, C, block_p, num_warps):
     return gl.BlockedLayout([R, 1, 4], [1, 32 // col_lanes, col_lanes], [1, num_warps, 1], [2, 1, 0])
 
 
+@gluon.constexpr_function
+def _partials_layout(block_p, num_warps):
+    """The running [R, P tile] token sums: two columns a thread, a warp's lanes across the columns, the warps down
+    the ranks.  The tokens' sums come replicated over the lanes that held the tokens; each thread keeps two of its
+    own values (no data moves), not sixteen."""
+    col_lanes = min(32, block_p // 2)
+    return gl.BlockedLayout([1, 2], [32 // col_lanes, col_lanes], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _gate_loads(dout_ptr, z_ptr, v_ptr, at, offs, HAS_Z: gl.constexpr, HAS_D: gl.constexpr):
     """The chunk's [C, P tile] rows of dout, z (with Z) and v (with D), as stored; absent ones stand in as dout."""
@@ -155,7 +164,8 @@ def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_ps
     raw_y [rows, P tile] is viewed as [R, C, P tile] (rank-major rows): a rank's tokens lie in one warp (two at
     R = 2), so the token sums stay in the warp, and the [C, P tile] rows of dout / z / v broadcast over ranks."""
     y = gl.reshape(raw_y, [R, C, BLOCK_P])
-    rank_layout: gl.constexpr = dphi_acc.type.layout
+    rank_layout: gl.constexpr = gl.SliceLayout(1, y.type.layout)
+    partials_layout: gl.constexpr = dphi_acc.type.layout
     if HAS_D:
         y = y + gl.expand_dims(d_psi_smem.load(rank_layout), 1) * gl.expand_dims(v.to(gl.float32), 0)
     y_dout = y * gl.expand_dims(dout.to(gl.float32), 0)
@@ -163,9 +173,9 @@ def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_ps
         z_rows = gl.expand_dims(z.to(gl.float32), 0)
         zeta = gl.expand_dims(zeta_smem.load(rank_layout), 1)
         gate, dgate = silu_and_grad(z_rows * zeta, True, False)
-        dphi_acc += gl.sum(gate * y_dout, axis=1)
+        dphi_acc += gl.convert_layout(gl.sum(gate * y_dout, axis=1), partials_layout)
         du_over_phi = y_dout * dgate  # dL/du without its Phi factor, which is constant over tokens
-        dzeta_acc += gl.sum(du_over_phi * z_rows, axis=1)
+        dzeta_acc += gl.convert_layout(gl.sum(du_over_phi * z_rows, axis=1), partials_layout)
         # dz sums over ranks, which lie in different warps: through shared memory, a thread then holding every rank
         # of its columns.
         dz_smem.store(du_over_phi * (gl.expand_dims(phi_smem.load(rank_layout), 1) * zeta))
@@ -176,7 +186,7 @@ def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_ps
         p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, tok_layout))
         gl.store(dz_ptr + at + (t[:, None] * (H * P) + p[None, :]), dz.to(dz_ptr.dtype.element_ty))
     else:
-        dphi_acc += gl.sum(y_dout, axis=1)
+        dphi_acc += gl.convert_layout(gl.sum(y_dout, axis=1), partials_layout)
     return dphi_acc, dzeta_acc
 
 
@@ -221,9 +231,9 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         # The gate's running token sums, [R, P tile] in the layout of raw_y viewed as [R, C, P tile] and summed over
         # tokens; the chunk's dout / z / v rows [C, P tile] in that view's layout without its ranks.
         y_view = gl.reshape(gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), [R, C, BLOCK_P])
-        dphi_acc = gl.sum(y_view, axis=1)
+        partials_layout: gl.constexpr = _partials_layout(BLOCK_P, num_warps)
+        dphi_acc = gl.zeros([R, BLOCK_P], gl.float32, partials_layout)
         dzeta_acc = dphi_acc
-        rank_layout: gl.constexpr = dphi_acc.type.layout
         rows_layout: gl.constexpr = gl.SliceLayout(0, y_view.type.layout)
         gate_t = gl.arange(0, C, gl.SliceLayout(1, rows_layout))
         gate_p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, rows_layout))
@@ -346,12 +356,12 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             gl.store(raw_y_ptr + seq_rows[:, None] * P + y_col[None, :], raw_y.to(raw_y_ptr.dtype.element_ty))
     if GATE:
         # The segment's partials [B, H, n_segments, R, P] of dPhi and dZeta (its Phi factor applied once here).
-        part_r = gl.arange(0, R, gl.SliceLayout(1, rank_layout))
-        part_p = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, rank_layout))
+        part_r = gl.arange(0, R, gl.SliceLayout(1, partials_layout))
+        part_p = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, partials_layout))
         part = ((bh64 * N_SEGMENTS + seg) * R + part_r)[:, None] * P + part_p[None, :]
         gl.store(dphi_ptr + part, dphi_acc)
         if HAS_Z:
-            gl.store(dzeta_ptr + part, dzeta_acc * phi_smem.load(rank_layout))
+            gl.store(dzeta_ptr + part, dzeta_acc * phi_smem.load(partials_layout))
     tma.store_wait(0)
 
 
@@ -523,9 +533,11 @@ def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_p
     fixed += 2 * ROWS * block_p * 2 + (ROWS * ROWS * 2 if weighed_buffer else 0) + 2 * STATE_ROWS * block_p * 2
     fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * block_p * 4
     if gate_form:
-        # The head tiles; where a rank's rows span C / 16 warps, each token sum's cross-warp scratch.
+        # The head tiles, and the compiler's scratch for the token sums: where a rank's rows span C / 16 warps each
+        # sum's cross-warp scratch, else with Z one [R, P tile] for their change of layout (as compiled; without Z it
+        # takes none).
         fixed += (1 + gate_form.has_z + gate_form.has_d) * R * block_p * 4
-        fixed += (1 + gate_form.has_z) * R * block_p * 4 * (C // 16 - 1) if C > 16 else 0
+        fixed += R * block_p * 4 * ((1 + gate_form.has_z) * (C // 16 - 1) if C > 16 else gate_form.has_z)
     return fixed + num_buffers * stage
 
 
