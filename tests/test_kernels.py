@@ -730,6 +730,30 @@ def test_official_scan_outputs_without_z(check_kernel, monkeypatch, shape, gluon
     assert calls, "the fused storing scan did not run"
 
 
+@pytest.mark.parametrize("shape", ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32"])
+@pytest.mark.parametrize("z", [True, False], ids=["z", "noz"])
+@pytest.mark.gpu
+@requires_cuda
+def test_official_scan_outputs_gate(check_kernel, monkeypatch, shape, z):
+    """The official N = 128, C * R = 64 shapes at full size with the gate applied inside the fused storing scan
+    (``scan_outputs_gate``, optimization.md section 54): no gate_grads launch, dz and the Phi / Zeta gradients from
+    the segments' partials, with Z and without."""
+    from mamba3_mimo.ops import gluon_gate_grads, production
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    calls = _fused_tiles(monkeypatch)
+    gates = []
+    for module, name in ((production, "gate_grads"), (gluon_gate_grads, "gluon_gate_grads")):
+        monkeypatch.setattr(module, name, lambda **kw: gates.append(kw))
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           has_z=z, **sizes)
+    config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, scan_outputs_gate=True)
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=config, **sizes)
+    assert calls and not gates, (calls, len(gates))
+
+
 @pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
 @pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(gluon_segments=1), dict(gluon_segments=1, block_p=32)],
                          ids=["one-segment", "one-gluon-segment", "one-gluon-segment-p32"])
