@@ -139,8 +139,9 @@ def _rank_sum_layout(R, C, block_p, num_warps):
 @gluon.constexpr_function
 def _partials_layout(block_p, num_warps):
     """The running [R, P tile] token sums: two columns a thread, a warp's lanes across the columns, the warps down
-    the ranks.  The tokens' sums come replicated over the lanes that held the tokens; each thread keeps two of its
-    own values (no data moves), not sixteen."""
+    the ranks.  The tokens' sums come replicated over the lanes that held the tokens; each thread keeps two of those
+    values, not sixteen (with Z the compiler moves them through a small shared scratch, which ``shared_bytes``
+    counts)."""
     col_lanes = min(32, block_p // 2)
     return gl.BlockedLayout([1, 2], [32 // col_lanes, col_lanes], [num_warps, 1], [1, 0])
 
@@ -161,8 +162,8 @@ def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_ps
     """gate_grads' math on the chunk's raw_y while it is in registers: the D skip in fp32, the running [R, P tile]
     token sums of dPhi and of dZeta / Phi, and dz (its rank sum through ``dz_smem``) stored for the chunk.
 
-    raw_y [rows, P tile] is viewed as [R, C, P tile] (rank-major rows): a rank's tokens lie in one warp (two at
-    R = 2), so the token sums stay in the warp, and the [C, P tile] rows of dout / z / v broadcast over ranks."""
+    raw_y [rows, P tile] is viewed as [R, C, P tile] (rank-major rows): a rank's tokens lie in one warp (in two at
+    C = 32), so the token sums stay in the warp, and the [C, P tile] rows of dout / z / v broadcast over ranks."""
     y = gl.reshape(raw_y, [R, C, BLOCK_P])
     rank_layout: gl.constexpr = gl.SliceLayout(1, y.type.layout)
     partials_layout: gl.constexpr = dphi_acc.type.layout
