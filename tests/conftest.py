@@ -41,6 +41,18 @@ def to_device(inputs, device):
     return {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in inputs.items()}
 
 
+def spy_gate_grads(monkeypatch):
+    """The name of each gate_grads launch (the Triton or the Gluon kernel) of the calls that follow, in a list."""
+    from mamba3_mimo.ops import gluon_gate_grads, production
+
+    gates = []
+    for module, name in ((production, "gate_grads"), (gluon_gate_grads, "gluon_gate_grads")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda _kernel=kernel, _name=name, **kw: (gates.append(_name),
+                                                                                   _kernel(**kw))[1])
+    return gates
+
+
 def assert_knob_inert(inputs, base, knob, values=(False, True), output_dtype=torch.bfloat16):
     """Production calls on ``inputs`` with ``base`` and ``knob`` at each of ``values`` (a switch off and on) give the
     same outputs bit for bit (a knob that routes to a kernel where it applies, checked where it does not)."""

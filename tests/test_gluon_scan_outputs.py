@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_knob_inert
+from conftest import assert_knob_inert, spy_gate_grads
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -191,18 +191,6 @@ def _spy(monkeypatch):
     return calls, tiles
 
 
-def _spy_gate(monkeypatch):
-    """Records each gate_grads launch (either kernel) of the calls that follow."""
-    from mamba3_mimo.ops import gluon_gate_grads, production
-
-    gates = []
-    for module, name in ((production, "gate_grads"), (gluon_gate_grads, "gluon_gate_grads")):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda _kernel=kernel, _name=name, **kw: (gates.append(_name),
-                                                                                   _kernel(**kw))[1])
-    return gates
-
-
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"R{c['R']}-C{c['chunk_size']}-P{c['P']}"
                          f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}"
@@ -215,7 +203,7 @@ def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkey
                      out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0,
                      scan_outputs_ring_weights=case.get("ring", False), scan_outputs_gate=case.get("gate", False))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
-    gates = _spy_gate(monkeypatch)
+    gates = spy_gate_grads(monkeypatch)
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
                  z=case["z"], d=case.get("d", True), **shape)
     assert calls and "chunk_scan" not in calls, calls

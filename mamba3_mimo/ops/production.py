@@ -827,14 +827,17 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             defer_qk_dot=config.out_defer_qk_dot)
         # The fused storing pass leaves the D skip to gate_grads.
         d_in_gate = (config.d_in_gate or fused is not None) and d is not None
+        if fused:
+            # The fused storing pass: either raw_y for gate_grads, or (gate) the gate applied in the pass.
+            run_fused = functools.partial(fused.scan_outputs, **dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias,
+                                          states=handoff, seg_state=seg_end, qk_dot=qk_dot,
+                                          half_rotation=scan_rotation_16bit,
+                                          ring_weights=config.scan_outputs_ring_weights)
         if gate_in_pass:
-            # The fused pass applies the gate itself: its segments' partials, no raw_y scratch, no gate_grads.
+            # Its segments' partials, no raw_y scratch, no gate_grads.
             dphi = torch.empty((B, H, n_segments, R, P), device=q.device, dtype=torch.float32)
             dzeta = torch.empty_like(dphi) if z is not None else None
-            fused.scan_outputs(**dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias, states=handoff,
-                               seg_state=seg_end, qk_dot=qk_dot, raw_y=None, raw_y_scale=None,
-                               half_rotation=scan_rotation_16bit, ring_weights=config.scan_outputs_ring_weights,
-                               gate=dict(fused_gate, dphi=dphi, dzeta=dzeta))
+            run_fused(raw_y=None, raw_y_scale=None, gate=dict(fused_gate, dphi=dphi, dzeta=dzeta))
         elif config.split_gate and config.gate_in_scan:
             dphi, dzeta = chunk_scan(**output_stage, dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, dz=dz,
                                      max_registers=config.out_max_registers,
@@ -853,9 +856,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                 raw_y_scale = torch.empty((B, H, S, R, cdiv(P, scale_block_p)), device=q.device,
                                           dtype=torch.float32)
             if fused:
-                fused.scan_outputs(**dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias, states=handoff,
-                                   seg_state=seg_end, qk_dot=qk_dot, raw_y=raw_y, raw_y_scale=raw_y_scale,
-                                   half_rotation=scan_rotation_16bit, ring_weights=config.scan_outputs_ring_weights)
+                run_fused(raw_y=raw_y, raw_y_scale=raw_y_scale)
             else:
                 chunk_scan(**dict(output_stage, d=None if d_in_gate else d), raw_y=raw_y, raw_y_scale=raw_y_scale,
                            max_registers=config.out_max_registers, spans_per_program=config.chunks_per_program)
