@@ -137,7 +137,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
-             "out_defer_qk_dot", "angles_in_kernels", "scan_outputs", "block_p", "out_max_registers", "n_segments",
+             "out_defer_qk_dot", "angles_in_kernels", "scan_outputs", "scan_outputs_gate", "scan_outputs_ring_weights",
+             "block_p", "out_max_registers", "n_segments",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
     assert not any(getattr(plain, name) for name in knobs[:-7])
     # The Gluon scan's P tile at N = 64 is 64 wide (section 47); elsewhere the plain rule's.
@@ -162,11 +163,11 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert small_chunks is (half and case == "N16_P64_R4_C8")
     # N16 with the bf16 rotation: chunk_scan over single chunks at 2 warps and 96 registers, applying the gate with Z
     # too (section 43); elsewhere the gate goes in chunk_scan without Z and at R = 1 (section 18).
-    # Without Z, the fused storing scan with a gate_grads pass where SCAN_OUTPUTS_WITHOUT_Z_P takes it, chunks of at
-    # most 16 tokens (R2_C32 lost there; section 53).
+    # Without Z, the fused storing scan applying the gate itself where SCAN_OUTPUTS_WITHOUT_Z_P takes it, chunks of at
+    # most 32 tokens (R1_C64 does not fit the kernel; sections 53, 55).
     fused = ("N128_P32_R4_C16", "N128_P64_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32")
     fused_without_z = (not has_z and case in fused and P in production.SCAN_OUTPUTS_WITHOUT_Z_P
-                       and parse_case(case)["chunk_size"] <= 16)
+                       and parse_case(case)["chunk_size"] <= 32)
     assert config.gate_in_scan is ((small_chunks or not has_z or R == 1) and not fused_without_z)
     assert plain.gate_in_scan is (not has_z or R == 1)
     assert config.gluon_gate is ((has_z or fused_without_z) and R in (4, 8) and P <= 64 and not small_chunks)
@@ -184,6 +185,10 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     # The fused storing scan where one program's P tile is all of P, with the gate after it, at N = 128 and
     # C * R = 64 (sections 51, 52): at P = 32 and at P = 64 (its 64-wide tile).
     assert config.scan_outputs is ((has_z and case in fused and P in production.SCAN_OUTPUTS_P) or fused_without_z)
+    # The gate inside that pass without Z only (with Z it lost, section 54); its per-token weights through the ring
+    # at chunks of 16 tokens or more (section 55).
+    assert config.scan_outputs_gate is fused_without_z
+    assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16)
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))
@@ -307,7 +312,8 @@ def test_dispatcher_keeps_the_gate_in_chunk_scan_without_z_off_hopper(case):
     assert on_hopper.scan_outputs is fused and on_hopper.gate_in_scan is not fused
     # Everything else as on Hopper.
     assert dataclasses.replace(on_hopper, gate_in_scan=True, scan_outputs=False, gluon_gate=False,
-                               gate_tokens=ScanConfig.gate_tokens) == off_hopper
+                               gate_tokens=ScanConfig.gate_tokens, scan_outputs_gate=False,
+                               scan_outputs_ring_weights=False) == off_hopper
 
 
 def test_production_asks_the_dispatcher_whether_the_gluon_kernels_run(monkeypatch):

@@ -714,15 +714,16 @@ def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
 @requires_cuda
 def test_official_scan_outputs_without_z(check_kernel, monkeypatch, shape, gluon_gate):
     """The official N = 128, C * R = 64 shapes without Z through the fused storing scan and a gate_grads pass, full
-    size: the candidates of the Z-off sweep in section 53.  With the Gluon gate_grads these are the dispatcher's configs
-    at N128_P64_R4_C16, N128_P32 and R8_C8 (``SCAN_OUTPUTS_WITHOUT_Z_P``; R2_C32 keeps the gate in chunk_scan)."""
+    size: the candidates of the Z-off sweep in section 53, and the path the dispatcher's configs fall back to where
+    the gate in the pass (``scan_outputs_gate``, section 55) does not cover a call."""
     from mamba3_mimo.ops.production import choose_config, gate_tokens_per_program
 
     sizes = parse_shape(shape)
     calls = _fused_tiles(monkeypatch)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     chosen = choose_config(B=4, H=16, S=2048, num_sms=num_sms, has_z=False, **sizes)
-    config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, gluon_gate=gluon_gate,
+    config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, scan_outputs_gate=False,
+                                 gluon_gate=gluon_gate,
                                  gate_tokens=gate_tokens_per_program(B=4, H=16, S=2048, R=sizes["R"], P=sizes["P"],
                                                                      num_sms=num_sms))
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=False, d=True, output_dtype=BF16,

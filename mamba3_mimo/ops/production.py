@@ -96,8 +96,8 @@ SCAN_OUTPUTS_SEGMENT_CHUNKS = 32
 # P where the dispatcher turns the fused storing scan on (N = 128, C * R = 64, with Z): 32 over one 32-wide tile
 # (section 51), 64 over one 64-wide tile (section 52; tests/test_kernels.py::test_official_scan_outputs_64).
 SCAN_OUTPUTS_P = (32, 64)
-# P where it does so without Z as well (C <= 16), with a gate_grads pass (chunk_scan would apply the gate there):
-# section 53, tests/test_kernels.py::test_official_scan_outputs_without_z.
+# P where it does so without Z as well, applying the gate itself (chunk_scan would apply it there): sections 53, 55;
+# tests/test_kernels.py::test_official_scan_outputs_gate.
 SCAN_OUTPUTS_WITHOUT_Z_P = (32, 64)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
@@ -245,10 +245,12 @@ class ScanConfig:
     scan_outputs_block_p: that kernel's P tile, 32 or 64 (0: the widest that divides P and fits,
     ``gluon_scan_outputs.plan``; at 64 q is rotated in place, section 52).
     scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
-    its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; not timed).
+    its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; the
+    dispatcher's at chunks of 16 tokens or more, section 55).
     scan_outputs_gate: that kernel also applies the gate to each chunk's raw_y while it is in registers (dz, and the
     dPhi / dZeta partials of its segment, with the D skip in fp32), so no raw_y scratch goes out and back and
-    ``gate_grads`` is not launched (where the kernel covers the gate: 16-bit dout / z; section 54).
+    ``gate_grads`` is not launched (where the kernel covers the gate: 16-bit dout / z; section 54).  The dispatcher's
+    without Z only (section 55).
     """
 
     block_p: int
@@ -478,8 +480,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # gate_grads / Triton): N128_P64_R4_C16 305.2 -> 283.7 / 283.7, N128_P32 254.8 -> 219.1 / 220.5, R8_C8 610.4 ->
     # 551.7 / 548.0; R2_C32 175.9 -> 179.0 / 178.4 (32-token chunks: a slower fused step) stays; R1_C64 does not fit.
     # Off Hopper the fused kernel does not run, and the split gate without it loses to chunk_scan's (section 19).
+    # With the gate inside the fused pass (scan_outputs_gate, below) R2_C32 joins: H100, 3f04e36
+    # (2026-12-07_h100_sweep_noz_3f04e36_gate_ring.json, graph us, gate in chunk_scan -> fused pass with the gate)
+    # 176.1 -> 165.5.  R1_C64 does not fit the kernel's shared memory.
     fused_shape = bool(swept and N == 128 and chunk_size * R == 64)  # what the fused storing scan covers
-    fused_without_z = bool(fused_shape and hopper and not has_z and P in SCAN_OUTPUTS_WITHOUT_Z_P and chunk_size <= 16)
+    fused_without_z = bool(fused_shape and hopper and not has_z and P in SCAN_OUTPUTS_WITHOUT_Z_P and chunk_size <= 32)
     gate_in_scan = bool(split_gate and (R == 1 or not has_z) and not fused_without_z)
     # The D skip in the gate's fp32 math (d_in_gate) on the split shapes with P <= 64.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
@@ -566,6 +571,15 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # with the 64-wide tile (q rotated in place, section 52; H100, 368a96c) it wins: N128_P64_R4_C16 337.3 -> 303.1,
     # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4 (SCAN_OUTPUTS_P).
     scan_outputs = bool(fused_shape and split_gate and not gate_in_scan and P in SCAN_OUTPUTS_P)
+    # Without Z the fused pass applies the gate itself (section 54's kernel; section 55).  H100, 3f04e36, graph us
+    # (fused pass + gate_grads -> gate in the pass): N128_P64_R4_C16 283.8 -> 244.6, N128_P32 219.3 -> 211.0, R8_C8
+    # 552.3 -> 515.9.  With Z it loses (a7409bf: 299.2 -> 335.3, 227.7 -> 242.4; section 54).
+    scan_outputs_gate = bool(scan_outputs and not has_z)
+    # Its per-token weights through the ring at chunks of 16 tokens or more.  H100, 3f04e36
+    # (2026-12-07_h100_sweep_3f04e36_ring_weights.json, graph us, off -> on, fused kernel us), with Z:
+    # N128_P64_R4_C16 298.2 -> 292.2 (177.7 -> 168.5), N128_P32 228.1 -> 226.8 (143.3 -> 137.3), R2_C32 192.5 ->
+    # 179.6 (106.6 -> 95.1); at 8-token chunks it ties or loses (R8_C8 576.4 -> 578.6, 367.1 -> 369.6).
+    scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
@@ -577,7 +591,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
                       out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels,
-                      scan_outputs=scan_outputs)
+                      scan_outputs=scan_outputs, scan_outputs_gate=scan_outputs_gate,
+                      scan_outputs_ring_weights=scan_outputs_ring_weights)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
