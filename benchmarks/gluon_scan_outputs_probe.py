@@ -26,8 +26,9 @@ from mamba3_mimo.ops.gluon_scan_outputs import (  # noqa: E402
     shape_problems,
 )
 
-# The official shapes the kernel covers (N = 128, C * R = 64).
-CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32"]
+# The official shapes the kernel covers (N = 64 or 128, C * R = 64).
+CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32", "N64_P64_R4_C16",
+         "N64_P128_R4_C16"]
 
 
 def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
@@ -49,7 +50,7 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
                               gate_form=form)
     assert not problems, problems
     layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                  gate_form=form)
+                  gate_form=form, N=N)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)),
                 v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
@@ -96,18 +97,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     records = []
     for case in args.cases:
-        P = parse_case(case)["P"]
-        # Each P tile with either rotation, and the dispatcher's form (the widest tile, bf16 rotation) with the
-        # per-token weights through the ring.
-        widest = 64 if P % 64 == 0 else 32
-        variants = [(block_p, half_rotation, False, None) for block_p in ((32, 64) if P % 64 == 0 else (32,))
+        shape = parse_case(case)
+        P, N = shape["P"], shape["N"]
+        # Each P tile (128 at N = 64) with either rotation, and the dispatcher's form (the widest tile, bf16 rotation)
+        # with the per-token weights through the ring.
+        tiles = [width for width in (32, 64, 128) if P % width == 0 and (width < 128 or N == 64)]
+        widest = plan(C=shape["chunk_size"], R=shape["R"], P=P, half_rotation=True, N=N).block_p
+        variants = [(block_p, half_rotation, False, None) for block_p in tiles
                     for half_rotation in (False, True)] + [(widest, True, True, None)]
         # The gate in the pass, in the dispatcher's form: with Z and D (the official grid), and without Z.
-        variants += [(widest, True, False, dict(has_z=has_z, has_d=True)) for has_z in (True, False)]
+        gate_tile = min(widest, 64)
+        variants += [(gate_tile, True, False, dict(has_z=has_z, has_d=True)) for has_z in (True, False)]
         for block_p, half_rotation, ring_weights, gate in variants:
             layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
                           half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                          gate_form=GateForm(**gate) if gate else None)
+                          gate_form=GateForm(**gate) if gate else None, N=parse_case(case)["N"])
             kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
                                       gate=gate)
             record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, gate=gate,

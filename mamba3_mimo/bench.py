@@ -248,7 +248,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         fold_one_scan=[False, True],
         angles_in_kernels=[False, True],
         scan_outputs=[False, True],
-        scan_outputs_block_p=[0, 32, 64],
+        scan_outputs_block_p=[0, 32, 64, 128],
         scan_outputs_ring_weights=[False, True],
         scan_outputs_gate=[False, True],
     )

@@ -752,6 +752,29 @@ def test_official_scan_outputs_gate(check_kernel, monkeypatch, shape, z):
     assert calls and not gates, (calls, gates)
 
 
+@pytest.mark.parametrize("shape", ["N64_P64_R4_C16", "N64_P128_R4_C16"])
+@pytest.mark.parametrize("z", [True, False], ids=["z", "noz"])
+@pytest.mark.gpu
+@requires_cuda
+def test_official_scan_outputs_n64(check_kernel, monkeypatch, shape, z):
+    """The official N = 64, C * R = 64 shapes at full size through the fused storing scan (both N/2 halves stacked
+    in one 64-row state; optimization.md section 55), its weights through the ring: raw_y for gate_grads with Z (over
+    a 128-wide tile at P = 128), the gate in the pass without Z."""
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    tiles = _fused_tiles(monkeypatch)
+    gates = spy_gate_grads(monkeypatch)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           has_z=z, **sizes)
+    config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, scan_outputs_gate=not z,
+                                 scan_outputs_ring_weights=True)
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=config, **sizes)
+    assert tiles and set(tiles) == {sizes["P"] if z else 64}, tiles
+    assert bool(gates) is z, gates
+
+
 @pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
 @pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(gluon_segments=1), dict(gluon_segments=1, block_p=32)],
                          ids=["one-segment", "one-gluon-segment", "one-gluon-segment-p32"])

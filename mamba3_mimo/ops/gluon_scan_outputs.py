@@ -54,15 +54,20 @@ from .gluon_state_scan import (
     biased_rank_rows,
     descriptors,
     entering_segment_state,
+    half_rows_layout,
+    store_rotated_rows,
 )
 from .host_utils import cdiv, rotation_source
 from .launch import launch
 from .triton_utils import fp16_row_scaled, intra_chunk_weights, silu_and_grad, table_cos_sin
 
-BLOCK_HALF = 64  # N / 2: a program holds the whole state of its P tile
+NS = (64, 128)  # the state sizes it covers: a program holds the whole [N, P tile] state
 ROWS = 64  # C * R: one wgmma M, the rows of the scores and of raw_y
+# The products' K over N: one N/2 half at N = 128, both halves stacked [lo | hi] at N = 64 (one 64-row state
+# accumulator, as the Gluon scan's); a 128-byte swizzled bf16 row either way.
+OPERAND_COLS = 64
 _ROWS = gl.constexpr(ROWS)  # the same, for the kernels
-_BLOCK_HALF = gl.constexpr(BLOCK_HALF)
+_OPERAND_COLS = gl.constexpr(OPERAND_COLS)
 
 
 @gluon.jit
@@ -114,11 +119,11 @@ def _producer(q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, 
 
 @gluon.jit
 def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r, C: gl.constexpr,
-                 layout: gl.constexpr, ROTATION_DTYPE: gl.constexpr):
-    """Rank ``r``'s [C, 64] rows of q or k from the stage: bias added, rotated, stored as bf16 operand rows."""
+                 layout: gl.constexpr, ROTATION_DTYPE: gl.constexpr, STACKED: gl.constexpr = False):
+    """Rank ``r``'s [C, N/2] rows of q or k from the stage: bias added, rotated, stored as bf16 operand rows (both
+    halves in ``out_lo`` where STACKED)."""
     x_lo, x_hi = biased_rank_rows(lo_rows, hi_rows, bias_lo, bias_hi, r, C, layout, ROTATION_DTYPE)
-    out_lo.slice(r * C, C).store((cos * x_lo - sin * x_hi).to(gl.bfloat16))
-    out_hi.slice(r * C, C).store((sin * x_lo + cos * x_hi).to(gl.bfloat16))
+    store_rotated_rows(x_lo, x_hi, cos, sin, out_lo, out_hi, r, C, STACKED)
 
 
 @gluon.jit
@@ -205,19 +210,23 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
               WEIGHED_BUFFER: gl.constexpr, RING_WEIGHTS: gl.constexpr, GATE: gl.constexpr, HAS_Z: gl.constexpr,
               HAS_D: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
+    # N = 64: the state is one [64, P tile] accumulator and q~ / k~ one [rows, 64] operand each ([lo | hi]), so a
+    # chunk takes three wgmma where N = 128 takes six, plus raw_y's.
+    STACKED: gl.constexpr = HALF < _OPERAND_COLS
+    gl.static_assert(not (STACKED and Q_IN_PLACE), "q rotated in place needs one operand per N/2 half (N = 128)")
     ROTATION_DTYPE: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     NUM_Q_BUFFERS: gl.constexpr = q_lo_bufs.type.shape[0]
     P_TILES: gl.constexpr = P // BLOCK_P
-    x_layout: gl.constexpr = _rows_layout(_BLOCK_HALF, num_warps)
+    x_layout: gl.constexpr = half_rows_layout(HALF, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
     token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
     acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)  # states, q~ @ state and raw_y: [64, P tile]
     score_layout: gl.constexpr = _state_layout(_ROWS, num_warps)  # [rows, rows]
 
-    rotated = (gl.arange(0, _BLOCK_HALF, gl.SliceLayout(0, x_layout)) < RD)[None, :]
+    rotated = (gl.arange(0, HALF, gl.SliceLayout(0, x_layout)) < RD)[None, :]
     state_lo, state_hi = entering_segment_state(seg_state_ptr, da_cs_ptr, bh, 0, p0, seg, S, CHUNKS_PER_SEG,
-                                                N_SEGMENTS, C, N, P, BLOCK_P, BLOCK_SEG_CHUNKS, False, True,
+                                                N_SEGMENTS, C, N, P, BLOCK_P, BLOCK_SEG_CHUNKS, STACKED, True,
                                                 acc_layout, num_warps)
     token = gl.arange(0, C, token_layout)
     # Rows (r, t) of the scores and of raw_y, rank-major as the boxes land; columns (r', s) of the scores.
@@ -269,12 +278,12 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
         v_rows = v_bufs.index(stage).load(p_layout).to(gl.float32)
         v_weighted = v_rows * (gl.exp(da_rev) * trap_scale)[:, None]
-        k_lo_rows = k_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
-        k_hi_rows = k_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+        k_lo_rows = k_lo_bufs.index(stage).reshape([_ROWS, HALF])
+        k_hi_rows = k_hi_bufs.index(stage).reshape([_ROWS, HALF])
         if Q_IN_PLACE:
             q_stage = i % NUM_Q_BUFFERS
-            q_lo_rows = q_lo_bufs.index(q_stage).reshape([_ROWS, _BLOCK_HALF])
-            q_hi_rows = q_hi_bufs.index(q_stage).reshape([_ROWS, _BLOCK_HALF])
+            q_lo_rows = q_lo_bufs.index(q_stage).reshape([_ROWS, HALF])
+            q_hi_rows = q_hi_bufs.index(q_stage).reshape([_ROWS, HALF])
             for r in gl.static_range(R):
                 _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
                              ROTATION_DTYPE)
@@ -292,13 +301,13 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             q_op_lo = q_lo_rows
             q_op_hi = q_hi_rows
         else:
-            q_lo_rows = q_lo_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
-            q_hi_rows = q_hi_bufs.index(stage).reshape([_ROWS, _BLOCK_HALF])
+            q_lo_rows = q_lo_bufs.index(stage).reshape([_ROWS, HALF])
+            q_hi_rows = q_hi_bufs.index(stage).reshape([_ROWS, HALF])
             for r in gl.static_range(R):
                 _rotate_into(k_lo_rows, k_hi_rows, k_bias_lo, k_bias_hi, cos, sin, ka_lo, ka_hi, r, C, x_layout,
-                             ROTATION_DTYPE)
+                             ROTATION_DTYPE, STACKED)
                 _rotate_into(q_lo_rows, q_hi_rows, q_bias_lo, q_bias_hi, cos, sin, qa_lo, qa_hi, r, C, x_layout,
-                             ROTATION_DTYPE)
+                             ROTATION_DTYPE, STACKED)
                 _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C, p_layout)
             fence_async_shared()
             mbarrier.arrive(empty.index(stage), count=1)
@@ -307,18 +316,23 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
 
         # The entering state leaves by TMA from out_lo / out_hi, which are also q~ @ state_in's B operand.
         _store_entering_state(i, state_lo, state_hi, out_lo_smem, out_hi_smem, states_desc,
-                              (bh * NCH + c_first + i) * N, p0, HALF, False)
+                              (bh * NCH + c_first + i) * N, p0, HALF, STACKED)
         out_lo = out_lo_smem.index(0)
         out_hi = out_hi_smem.index(0)
         scores = warpgroup_mma(q_op_lo, ka_lo.permute((1, 0)), gl.zeros([_ROWS, _ROWS], gl.float32, score_layout),
                                is_async=True)
-        scores = warpgroup_mma(q_op_hi, ka_hi.permute((1, 0)), scores, is_async=True)
+        if not STACKED:
+            scores = warpgroup_mma(q_op_hi, ka_hi.permute((1, 0)), scores, is_async=True)
         y_state = warpgroup_mma(q_op_lo, out_lo, gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), is_async=True)
-        y_state = warpgroup_mma(q_op_hi, out_hi, y_state, is_async=True)
+        if not STACKED:
+            y_state = warpgroup_mma(q_op_hi, out_hi, y_state, is_async=True)
         state_lo = warpgroup_mma(ka_lo.permute((1, 0)), psiv_w_smem, state_lo * decay, is_async=True)
-        state_hi = warpgroup_mma(ka_hi.permute((1, 0)), psiv_w_smem, state_hi * decay, is_async=True)
-        # The update's two products stay in flight while the scores are weighed.
-        scores, y_state = warpgroup_mma_wait(2, deps=(scores, y_state))
+        # The update's products stay in flight while the scores are weighed.
+        if STACKED:
+            scores, y_state = warpgroup_mma_wait(1, deps=(scores, y_state))
+        else:
+            state_hi = warpgroup_mma(ka_hi.permute((1, 0)), psiv_w_smem, state_hi * decay, is_async=True)
+            scores, y_state = warpgroup_mma_wait(2, deps=(scores, y_state))
         if Q_IN_PLACE and WEIGHED_BUFFER:
             # q~'s products are done and the weighed scores have a buffer of their own: q's stage is free.
             mbarrier.arrive(q_empty.index(q_stage), count=1)
@@ -339,7 +353,10 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             same = (score_row % C)[:, None] == (score_col % C)[None, :]
             qk_offs = ((bh64 * S + t0 + score_row % C) * R + score_row // C)[:, None] * R + (score_col // C)[None, :]
             gl.store(qk_dot_ptr + qk_offs, scores.to(qk_dot_ptr.dtype.element_ty), mask=same)
-        raw_y, state_lo, state_hi = warpgroup_mma_wait(0, deps=(raw_y, state_lo, state_hi))
+        if STACKED:
+            raw_y, state_lo = warpgroup_mma_wait(0, deps=(raw_y, state_lo))
+        else:
+            raw_y, state_lo, state_hi = warpgroup_mma_wait(0, deps=(raw_y, state_lo, state_hi))
         if Q_IN_PLACE and not WEIGHED_BUFFER:
             mbarrier.arrive(q_empty.index(q_stage), count=1)
 
@@ -387,6 +404,7 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
     consumer applies the gate to each chunk's raw_y in registers (dz, and the segment's dPhi / dZeta partials) instead
     of storing it."""
     HALF: gl.constexpr = N // 2
+    STACKED: gl.constexpr = HALF < _OPERAND_COLS  # N = 64: one operand for both halves, one state-store buffer
     pid_p = gl.program_id(0)
     seg = gl.program_id(1)
     bh = gl.program_id(2)
@@ -425,47 +443,57 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
         q_ready = ready
         q_empty = empty
 
-    # The products' operands, rows (rank, token): q~ (unless rotated in place) and k~ per N/2 half, the weighted
-    # psiv (the update's B) and the plain psiv (raw_y's B).
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, _BLOCK_HALF], gl.bfloat16)
+    # The products' operands, rows (rank, token): q~ (unless rotated in place) and k~ per N/2 half (both halves in
+    # the first where STACKED), the weighted psiv (the update's B) and the plain psiv (raw_y's B).
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, _OPERAND_COLS], gl.bfloat16)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, BLOCK_P], gl.bfloat16)
     if Q_IN_PLACE:
         qa_lo = q_lo_bufs  # not used: the consumer takes q~ from q's stage
         qa_hi = q_hi_bufs
     else:
-        qa_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
-        qa_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+        qa_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _OPERAND_COLS], x_layout)
+        if STACKED:
+            qa_hi = qa_lo  # not used
+        else:
+            qa_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _OPERAND_COLS], x_layout)
     if WEIGHED_BUFFER:
         weighed_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _ROWS],
                                                  gl.NVMMASharedLayout.get_default_for([_ROWS, _ROWS], gl.bfloat16))
     else:
         weighed_smem = q_lo_bufs  # not used
     if GATE:
-        # k~'s operands as one buffer: once a chunk's products are done it holds dz's [R, C, P tile] fp32 terms.
-        ka = gl.allocate_shared_memory(gl.bfloat16, [2, _ROWS, _BLOCK_HALF], x_layout)
+        # k~'s operands as one buffer: once a chunk's products are done it holds dz's [R, C, P tile] fp32 terms
+        # (two operands' room also where STACKED uses the first alone).
+        ka = gl.allocate_shared_memory(gl.bfloat16, [2, _ROWS, _OPERAND_COLS], x_layout)
         ka_lo = ka.index(0)
         ka_hi = ka.index(1)
         dz_smem = ka._reinterpret(gl.float32, [R, C, BLOCK_P], gl.SwizzledSharedLayout(2, 1, 8, [2, 1, 0]))
     else:
-        ka_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
-        ka_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _BLOCK_HALF], x_layout)
+        ka_lo = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _OPERAND_COLS], x_layout)
+        if STACKED:
+            ka_hi = ka_lo  # not used
+        else:
+            ka_hi = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _OPERAND_COLS], x_layout)
         dz_smem = ka_lo  # not used
     psiv_w_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
     psiv_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, BLOCK_P], p_layout)
     store_shape: gl.constexpr = [1] + states_desc.block_type.shape
     out_lo_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
-    out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
+    if STACKED:
+        out_hi_smem = out_lo_smem  # not used: one [64, P tile] box holds the whole state
+    else:
+        out_hi_smem = gl.allocate_shared_memory(states_desc.dtype, store_shape, states_desc.layout)
 
     # The head's q / k bias rows and Psi tile, read once into shared memory (rank-1 layouts: a row is one vector).
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     bias_dtype: gl.constexpr = gl.bfloat16 if HALF_ROTATION else gl.float32
-    q_bias_lo = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
-    q_bias_hi = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
-    k_bias_lo = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
-    k_bias_hi = gl.allocate_shared_memory(bias_dtype, [R, _BLOCK_HALF], plain)
+    q_bias_lo = gl.allocate_shared_memory(bias_dtype, [R, HALF], plain)
+    q_bias_hi = gl.allocate_shared_memory(bias_dtype, [R, HALF], plain)
+    k_bias_lo = gl.allocate_shared_memory(bias_dtype, [R, HALF], plain)
+    k_bias_hi = gl.allocate_shared_memory(bias_dtype, [R, HALF], plain)
     psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], plain)
-    col = gl.arange(0, _BLOCK_HALF, row_layout)
+    col = gl.arange(0, HALF, row_layout)
     psi_col = p0 + gl.arange(0, BLOCK_P, row_layout)
     for r in gl.static_range(R):
         bias_row = (h * R + r) * N + col
@@ -519,20 +547,24 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
 
 
 def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_place=False, weighed_buffer=False,
-                 ring_weights=False, gate_form=None):
-    """The kernel's shared memory at N = 128: the ring's stages (k, with q unless ``q_in_place``, the angles or the
-    two 16-bit tables, v), q's own stage where it is rotated in place, the [rows, 64] k~ operands (and q~'s unless
-    in place), the two psiv, the weighed scores' buffer (``weighed_buffer``), the state-store buffers and the
-    bias / Psi rows (the bias in the rotation's dtype: fp32, or bf16 with ``half_rotation``), and with
-    ``ring_weights`` each stage's da_rev and trap_scale rows, and with the gate (``gate_form``, a ``GateForm``) its
-    fp32 [R, P tile] head tiles and, at C > 16, its token sums' scratch (its dz scratch is k~'s operands).  The
-    compiler adds barriers and alignment (a few hundred bytes)."""
-    half_box = ROWS * BLOCK_HALF * 2  # one N/2 half of q or k for a chunk: [R, C, 64] bf16
-    stage = (2 if q_in_place else 4) * half_box + C * BLOCK_HALF * 4 + C * block_p * 2
+                 ring_weights=False, gate_form=None, N=128):
+    """The kernel's shared memory: the ring's stages (k, with q unless ``q_in_place``, the angles or the two 16-bit
+    tables, v), q's own stage where it is rotated in place, the [rows, 64] k~ operands (and q~'s unless in place; one
+    each at N = 64, both halves stacked, but k~'s two with the gate), the two psiv, the weighed scores' buffer
+    (``weighed_buffer``), the state-store buffers (one at N = 64) and the bias / Psi rows (the bias in the rotation's
+    dtype: fp32, or bf16 with ``half_rotation``), and with ``ring_weights`` each stage's da_rev and trap_scale rows,
+    and with the gate (``gate_form``, a ``GateForm``) its fp32 [R, P tile] head tiles and, at C > 16, its token sums'
+    scratch (its dz scratch is k~'s operands).  The compiler adds barriers and alignment (a few hundred bytes)."""
+    half = N // 2
+    halves = 1 if half < OPERAND_COLS else 2  # operands and state-store buffers a q~, k~ or state
+    half_box = ROWS * half * 2  # one N/2 half of q or k for a chunk: [R, C, N/2] bf16
+    stage = (2 if q_in_place else 4) * half_box + C * half * 4 + C * block_p * 2
     stage += 2 * C * 4 if ring_weights else 0
-    fixed = (2 * half_box if q_in_place else 0) + (2 if q_in_place else 4) * ROWS * BLOCK_HALF * 2
-    fixed += 2 * ROWS * block_p * 2 + (ROWS * ROWS * 2 if weighed_buffer else 0) + 2 * STATE_ROWS * block_p * 2
-    fixed += 4 * R * BLOCK_HALF * (2 if half_rotation else 4) + R * block_p * 4
+    operand = ROWS * OPERAND_COLS * 2
+    k_operands = 2 if gate_form else halves
+    fixed = (2 * half_box if q_in_place else 0) + ((0 if q_in_place else halves) + k_operands) * operand
+    fixed += 2 * ROWS * block_p * 2 + (ROWS * ROWS * 2 if weighed_buffer else 0) + halves * STATE_ROWS * block_p * 2
+    fixed += 4 * R * half * (2 if half_rotation else 4) + R * block_p * 4
     if gate_form:
         # The head tiles, and the compiler's scratch for the token sums: where a rank's rows span C / 16 warps each
         # sum's cross-warp scratch, else with Z one [R, P tile] for their change of layout (as compiled; without Z it
@@ -561,21 +593,24 @@ class GateForm(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate_form=None):
+def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate_form=None, N=128):
     """The widest P tile (64, else 32; or ``block_p``) that divides P and fits the 99 KB bound, with its layout, or
     None.  At 32 columns q~ and k~ have operands of their own beside one or two ring stages.  At 64 (one program
-    covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit: q is rotated where it
-    lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed before
-    raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  ``ring_weights``:
-    the stages hold the chunk's da_rev and trap_scale too; ``gate_form``: the gate in the pass (a ``GateForm``; None
-    where raw_y is stored).  Cached: every call asks it from ``unsupported``, the production path and
-    ``scan_outputs``."""
-    for width in (block_p,) if block_p else (64, 32):
+    covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit at N = 128: q is rotated
+    where it lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed
+    before raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  At N = 64
+    (half the boxes and operands) q~ keeps its operand.  ``ring_weights``: the stages hold the chunk's da_rev and
+    trap_scale too; ``gate_form``: the gate in the pass (a ``GateForm``; None where raw_y is stored).  Cached: every
+    call asks it from ``unsupported``, the production path and ``scan_outputs``."""
+    stacked = N // 2 < OPERAND_COLS
+    # At N = 64 a 128-wide tile's accumulators fit the consumer's registers (one [64, P tile] state, not two); not
+    # with the gate, whose dz scratch over k~'s operands holds a 64-wide tile's.
+    for width in (block_p,) if block_p else (128, 64, 32) if stacked and not gate_form else (64, 32):
         if P % width:
             continue
-        in_place = width > 32
+        in_place = width > 32 and not stacked
         layout = dict(C=C, R=R, block_p=width, half_rotation=half_rotation, q_in_place=in_place,
-                      ring_weights=ring_weights, gate_form=gate_form)
+                      ring_weights=ring_weights, gate_form=gate_form, N=N)
         weighed = in_place and _fits(**layout, weighed_buffer=True)
         layout.update(weighed_buffer=weighed)
         if _fits(**layout):
@@ -589,14 +624,15 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block
     ``dtypes``: (q, k, v, states) and the rotation tables' (or the angles' table dtype)."""
     C = chunk_size
     problems = []
-    if N != 2 * BLOCK_HALF:
-        problems.append(f"N = {2 * BLOCK_HALF}, got N={N}")
+    if N not in NS:
+        problems.append(f"N in {NS}, got N={N}")
     if C * R != ROWS or C % 8:
         problems.append(f"C * R = {ROWS} with C a multiple of 8, got C={C}, R={R}")
-    elif plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-              gate_form=gate_form) is None:
-        problems.append(f"a P tile of {block_p or '32 or 64'} dividing P with one ring stage within {SMEM_LIMIT} "
-                        f"bytes of shared memory, got P={P}, C={C}, R={R}")
+    elif N in NS and plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
+                          gate_form=gate_form, N=N) is None:
+        tiles = block_p or ("32, 64 or 128" if N == 64 and not gate_form else "32 or 64")
+        problems.append(f"a P tile of {tiles} dividing P with one ring stage within {SMEM_LIMIT} bytes of shared "
+                        f"memory, got P={P}, C={C}, R={R}")
     if S % C:
         problems.append(f"S a multiple of C, got S={S}, C={C}")
     *activations, table_dtype = dtypes
@@ -677,7 +713,7 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     if problems:
         raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
     layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                  gate_form=gate_form_of(gate))
+                  gate_form=gate_form_of(gate), N=N)
     if gate and (raw_y is not None or raw_y_scale is not None):
         raise ValueError("gluon_scan_outputs: with the gate in the pass there is no raw_y scratch")
     if gate and gate["dphi"].shape != (B, H, n_segments, R, P):

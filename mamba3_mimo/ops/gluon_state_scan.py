@@ -84,6 +84,15 @@ def _rows_layout(cols, num_warps):
 
 
 @gluon.constexpr_function
+def half_rows_layout(block_half, num_warps):
+    """A rank's [C, N/2 piece] rows of q or k for the bias add and rotation.  At 32 columns (N = 64) 4 columns (8
+    bytes) a thread, a warp's lanes over 4 rows, not one 2-byte column a lane; else ``_rows_layout``."""
+    if block_half < 64:
+        return gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    return _rows_layout(block_half, num_warps)
+
+
+@gluon.constexpr_function
 def _state_layout(block_p, num_warps):
     """The wgmma accumulator of one [64, P tile] piece of a state half."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_p, 16])
@@ -154,6 +163,19 @@ def biased_rank_rows(lo_rows, hi_rows, bias_lo, bias_hi, r, C: gl.constexpr, lay
 
 
 @gluon.jit
+def store_rotated_rows(x_lo, x_hi, cos, sin, out_lo, out_hi, r, C: gl.constexpr, STACKED: gl.constexpr):
+    """Rank ``r``'s rows of both N/2 halves, rotated, as bf16 operand rows (rank-major): in ``out_lo`` and
+    ``out_hi``, or STACKED (N = 64) as one [C, 64] row block [lo | hi] of ``out_lo``, the columns as in memory
+    (joined in registers: one store, where two column slices took a barrier more a rank)."""
+    if STACKED:
+        pairs = gl.join((cos * x_lo - sin * x_hi).to(gl.bfloat16), (sin * x_lo + cos * x_hi).to(gl.bfloat16))
+        out_lo.slice(r * C, C).store(gl.reshape(gl.permute(pairs, (0, 2, 1)), [C, 2 * x_lo.shape[1]]))
+    else:
+        out_lo.slice(r * C, C).store((cos * x_lo - sin * x_hi).to(gl.bfloat16))
+        out_hi.slice(r * C, C).store((sin * x_lo + cos * x_hi).to(gl.bfloat16))
+
+
+@gluon.jit
 def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, decay_bufs, ready,
                     empty, a_lo, a_hi, psiv, bias_lo_smem, bias_hi_smem, psi_smem, rotated, log_decay, da_rev,
                     trap_scale, C: gl.constexpr, R: gl.constexpr, STACKED: gl.constexpr, ROTATION_DTYPE: gl.constexpr,
@@ -188,14 +210,7 @@ def _stage_operands(step, stage, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_buf
     for r in gl.static_range(R):
         k_lo, k_hi = biased_rank_rows(k_lo_rows, k_hi_rows, bias_lo_smem, bias_hi_smem, r, C, k_layout,
                                       ROTATION_DTYPE)
-        if STACKED:
-            # One [C, 64] row block [lo | hi] (joined in registers: one store, where two column slices took a
-            # barrier more a rank).
-            pairs = gl.join((cos * k_lo - sin * k_hi).to(gl.bfloat16), (sin * k_lo + cos * k_hi).to(gl.bfloat16))
-            a_lo.slice(r * C, C).store(gl.reshape(gl.permute(pairs, (0, 2, 1)), [C, 2 * BLOCK_HALF]))
-        else:
-            a_lo.slice(r * C, C).store((cos * k_lo - sin * k_hi).to(gl.bfloat16))
-            a_hi.slice(r * C, C).store((sin * k_lo + cos * k_hi).to(gl.bfloat16))
+        store_rotated_rows(k_lo, k_hi, cos, sin, a_lo, a_hi, r, C, STACKED)
         psi = psi_smem.index(r).load(gl.SliceLayout(0, p_layout))
         psiv.slice(r * C, C).store((v_weighted * psi[None, :]).to(gl.bfloat16))
     # Orders this partition's shared-memory reads and writes before the producer's next TMA into the stage and
@@ -269,11 +284,7 @@ def _consumer(k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_bufs, weight_bufs, dec
     NUM_BUFFERS: gl.constexpr = k_lo_bufs.type.shape[0]
     # Two sets of update operands: a step's wgmma runs while the next chunk is rotated into the other set.
     PIPELINED: gl.constexpr = a_lo_smem.type.shape[0] > 1
-    if STACKED:
-        # 32-column tiles: 4 columns (8 bytes) a thread, a warp's lanes over 4 rows, not one 2-byte column a lane.
-        k_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
-    else:
-        k_layout: gl.constexpr = _rows_layout(BLOCK_HALF, num_warps)
+    k_layout: gl.constexpr = half_rows_layout(BLOCK_HALF, num_warps)
     p_layout: gl.constexpr = _rows_layout(BLOCK_P, num_warps)
     acc_layout: gl.constexpr = _state_layout(BLOCK_P, num_warps)
     token_layout: gl.constexpr = gl.SliceLayout(1, p_layout)

@@ -242,8 +242,8 @@ class ScanConfig:
     it covers the call: N = 128, C * R = 64, ...): chunk_scan is not launched and ``states`` is not read back; the
     D skip joins ``gate_grads``.  Its segments are ``gluon_segments``, or (0) as many as fill
     ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM (docs/optimization.md section 51).
-    scan_outputs_block_p: that kernel's P tile, 32 or 64 (0: the widest that divides P and fits,
-    ``gluon_scan_outputs.plan``; at 64 q is rotated in place, section 52).
+    scan_outputs_block_p: that kernel's P tile, 32, 64 or 128 (N = 64 without the gate) (0: the widest that divides P
+    and fits, ``gluon_scan_outputs.plan``; at 64 and N = 128 q is rotated in place, section 52).
     scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
     its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; the
     dispatcher's at chunks of 16 tokens or more, section 55).
@@ -300,8 +300,9 @@ class ScanConfig:
             _check_tile(name, getattr(self, name))
         if self.n_segments < 1:
             raise ValueError(f"ScanConfig.n_segments must be >= 1, got {self.n_segments}")
-        if self.scan_outputs_block_p not in (0, 32, 64):
-            raise ValueError(f"ScanConfig.scan_outputs_block_p must be 0, 32 or 64, got {self.scan_outputs_block_p}")
+        if self.scan_outputs_block_p not in (0, 32, 64, 128):
+            raise ValueError(f"ScanConfig.scan_outputs_block_p must be 0, 32, 64 or 128, got "
+                             f"{self.scan_outputs_block_p}")
         if self.gluon_segments < 0:
             raise ValueError(f"ScanConfig.gluon_segments must be >= 0, got {self.gluon_segments}")
         for name in ("ranks_per_step", "out_span_chunks", "end_span_chunks", "state_span_chunks"):
@@ -723,7 +724,7 @@ def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation, gate
     with_gate = bool(config.scan_outputs_gate) and gluon_scan_outputs.unsupported(**covered, gate=gate) is None
     if not with_gate and gluon_scan_outputs.unsupported(**covered) is not None:
         return None, None, False
-    layout = gluon_scan_outputs.plan(C=scan["chunk_size"], R=q.shape[2], P=scan["v"].shape[3],
+    layout = gluon_scan_outputs.plan(C=scan["chunk_size"], R=q.shape[2], P=scan["v"].shape[3], N=q.shape[4],
                                      gate_form=gluon_scan_outputs.gate_form_of(gate if with_gate else None), **tile)
     return gluon_scan_outputs, layout.block_p, with_gate
 
@@ -820,8 +821,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                                one_scan=config.fold_one_scan)
         elif fused:
             # The storing pass runs with the outputs below.  The end-state pass over the fused kernel's P tile (at 32
-            # twice the programs of a 64-wide one, for a pass that has one segment fewer than the storing pass).
-            seg_end = gluon.gluon_segment_end_states(**dict(scan, block_p=fused_block_p))
+            # twice the programs of a 64-wide one, for a pass that has one segment fewer than the storing pass), at
+            # most the Gluon scan's widest (a 128-wide fused tile at N = 64).
+            seg_end = gluon.gluon_segment_end_states(**dict(scan, block_p=min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P)))
         elif gluon:
             seg_end = gluon.gluon_segment_end_states(**scan)
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
