@@ -167,7 +167,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     # most 32 tokens (R1_C64 does not fit the kernel; sections 53, 55).
     fused = ("N128_P32_R4_C16", "N128_P64_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32")
     fused_without_z = (not has_z and case in fused and P in production.SCAN_OUTPUTS_WITHOUT_Z_P
-                       and parse_case(case)["chunk_size"] <= 32)
+                       and parse_case(case)["chunk_size"] <= 32) or (not has_z and case == "N64_P64_R4_C16")
+    # At N = 64 (both halves stacked, section 55): with Z at N64_P64 and N64_P128, without Z at N64_P64.
+    fused_n64 = case in ("N64_P64_R4_C16", "N64_P128_R4_C16") and (has_z or case == "N64_P64_R4_C16")
     assert config.gate_in_scan is ((small_chunks or not has_z or R == 1) and not fused_without_z)
     assert plain.gate_in_scan is (not has_z or R == 1)
     assert config.gluon_gate is ((has_z or fused_without_z) and R in (4, 8) and P <= 64 and not small_chunks)
@@ -184,11 +186,13 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.angles_in_kernels is (parse_case(case)["N"] >= 64 and case != "N128_P128_R4_C8")
     # The fused storing scan where one program's P tile is all of P, with the gate after it, at N = 128 and
     # C * R = 64 (sections 51, 52): at P = 32 and at P = 64 (its 64-wide tile).
-    assert config.scan_outputs is ((has_z and case in fused and P in production.SCAN_OUTPUTS_P) or fused_without_z)
+    assert config.scan_outputs is ((has_z and case in fused and P in production.SCAN_OUTPUTS_P) or fused_without_z
+                                   or fused_n64)
     # The gate inside that pass without Z only (with Z it lost, section 54); its per-token weights through the ring
     # at chunks of 16 tokens or more (section 55).
     assert config.scan_outputs_gate is fused_without_z
-    assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16)
+    assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16
+                                                and parse_case(case)["N"] == 128)
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

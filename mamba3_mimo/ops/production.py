@@ -99,6 +99,11 @@ SCAN_OUTPUTS_P = (32, 64)
 # P where it does so without Z as well, applying the gate itself (chunk_scan would apply it there): sections 53, 55;
 # tests/test_kernels.py::test_official_scan_outputs_gate.
 SCAN_OUTPUTS_WITHOUT_Z_P = (32, 64)
+# P where it does so at N = 64 (both N/2 halves stacked in one 64-row state, section 55): with Z at P = 64 and over one
+# 128-wide tile at P = 128; without Z (the gate in the pass) at P = 64 only.
+# tests/test_kernels.py::test_official_scan_outputs_n64.
+SCAN_OUTPUTS_N64_P = (64, 128)
+SCAN_OUTPUTS_N64_WITHOUT_Z_P = (64,)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -483,9 +488,12 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # Off Hopper the fused kernel does not run, and the split gate without it loses to chunk_scan's (section 19).
     # With the gate inside the fused pass (scan_outputs_gate, below) R2_C32 joins: H100, 3f04e36
     # (2026-12-07_h100_sweep_noz_3f04e36_gate_ring.json, graph us, gate in chunk_scan -> fused pass with the gate)
-    # 176.1 -> 165.5.  R1_C64 does not fit the kernel's shared memory.
-    fused_shape = bool(swept and N == 128 and chunk_size * R == 64)  # what the fused storing scan covers
-    fused_without_z = bool(fused_shape and hopper and not has_z and P in SCAN_OUTPUTS_WITHOUT_Z_P and chunk_size <= 32)
+    # 176.1 -> 165.5.  R1_C64 does not fit the kernel's shared memory.  At N = 64 (H100, c99d456,
+    # 2026-12-07_h100_sweep_noz_c99d456_n64.json, graph us, gate in chunk_scan -> fused pass with the gate): N64_P64
+    # 223.3 -> 191.8; N64_P128 332.2 -> 381.8 (two 64-wide tiles: the gate's dz scratch holds no 128-wide one) stays.
+    fused_shape = bool(swept and N in (64, 128) and chunk_size * R == 64)  # what the fused storing scan covers
+    without_z_p = SCAN_OUTPUTS_WITHOUT_Z_P if N == 128 else SCAN_OUTPUTS_N64_WITHOUT_Z_P
+    fused_without_z = bool(fused_shape and hopper and not has_z and P in without_z_p and chunk_size <= 32)
     gate_in_scan = bool(split_gate and (R == 1 or not has_z) and not fused_without_z)
     # The D skip in the gate's fp32 math (d_in_gate) on the split shapes with P <= 64.  Sweeps of 01845e8
     # (2026-12-05_h200_sweep_01845e8_*, graph us, off -> on), with Z: N128_P64_R4_C16 421 -> 409, N128_P32 354 -> 320,
@@ -570,8 +578,12 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # on, segments of one wave): N128_P32_R4_C16 250.6 -> 229.0 (chunk_scan 153 + scan 50 -> fused pass 142 + end
     # pass 43).  Over two 32-wide P tiles it loses (N128_P64_R4_C16 336 -> 415, R8_C8 623 -> 813, R2_C32 205 -> 256);
     # with the 64-wide tile (q rotated in place, section 52; H100, 368a96c) it wins: N128_P64_R4_C16 337.3 -> 303.1,
-    # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4 (SCAN_OUTPUTS_P).
-    scan_outputs = bool(fused_shape and split_gate and not gate_in_scan and P in SCAN_OUTPUTS_P)
+    # R8_C8 624.4 -> 577.4 (8 segments), R2_C32 204.8 -> 193.4 (SCAN_OUTPUTS_P).  At N = 64, both halves stacked
+    # (H100, c99d456, 2026-12-07_h100_sweep_c99d456_n64.json, graph us): N64_P64 256.2 -> 238.6 (chunk_scan 137 + scan
+    # 42 + fold 3 -> fused 130 + end pass 36), N64_P128 453.4 -> 444.4 over a 128-wide tile (chunk_scan 243 + scan 86
+    # + fold 4 -> fused 224 + end pass 73; gate_grads 112 -> 135), 487.8 over two 64-wide tiles.
+    with_z_p = SCAN_OUTPUTS_P if N == 128 else SCAN_OUTPUTS_N64_P
+    scan_outputs = bool(fused_shape and split_gate and not gate_in_scan and P in with_z_p)
     # Without Z the fused pass applies the gate itself (section 54's kernel; section 55).  H100, 3f04e36, graph us
     # (fused pass + gate_grads -> gate in the pass): N128_P64_R4_C16 283.8 -> 244.6, N128_P32 219.3 -> 211.0, R8_C8
     # 552.3 -> 515.9.  With Z it loses (a7409bf: 299.2 -> 335.3, 227.7 -> 242.4; section 54).
@@ -579,8 +591,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # Its per-token weights through the ring at chunks of 16 tokens or more.  H100, 3f04e36
     # (2026-12-07_h100_sweep_3f04e36_ring_weights.json, graph us, off -> on, fused kernel us), with Z:
     # N128_P64_R4_C16 298.2 -> 292.2 (177.7 -> 168.5), N128_P32 228.1 -> 226.8 (143.3 -> 137.3), R2_C32 192.5 ->
-    # 179.6 (106.6 -> 95.1); at 8-token chunks it ties or loses (R8_C8 576.4 -> 578.6, 367.1 -> 369.6).
-    scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16)
+    # 179.6 (106.6 -> 95.1); at 8-token chunks it ties or loses (R8_C8 576.4 -> 578.6, 367.1 -> 369.6), and at N = 64
+    # (c99d456, graph us): N64_P64 238.6 -> 243.7, N64_P128 444.4 -> 447.4, N64_P64 without Z 191.8 -> 196.2.
+    scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16 and N == 128)
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
