@@ -29,7 +29,7 @@ export MAMBA3_MIMO_CHECK_PLAN=1
 want tests && { MAMBA3_MIMO_FULL_GRID=1 timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:warnings -rf \
   tests/test_kernels.py -k "(test_official_grid and not fused) or test_production_split_gate or \
   test_production_configs or test_production_local_states or half_rotation or miscompiled or two_pass_scan_segments or \
-  pdl or fold_one_scan or scan_outputs_64 or scan_outputs_without_z or scan_outputs_gate or scan_outputs_n64" \
+  pdl or fold_one_scan or scan_outputs_64 or scan_outputs_without_z or scan_outputs_gate or scan_outputs_n64 or scan_outputs_d_skip" \
   2>&1 \
   | tee "$OUT/tests_full.log" | tail -n 6 | tee "$OUT/tests.log" || status=1; }
 want grids && { timeout ${GRIDS_TIMEOUT:-240} python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py \

@@ -32,10 +32,11 @@ CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C3
 
 
 def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
-                     block_p=None, ring_weights=False, gate=None):
+                     block_p=None, ring_weights=False, gate=None, d_skip=False):
     """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed, at ``plan``'s P
     tile (``block_p``: that one), with the per-token weights through the ring where ``ring_weights``, and with the
-    gate in the pass where ``gate`` is given (``dict(has_z=..., has_d=...)``; bf16 activations and dz)."""
+    gate in the pass where ``gate`` is given (``dict(has_z=..., has_d=...)``; bf16 activations and dz), or with the D
+    skip added to raw_y where ``d_skip``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -47,10 +48,10 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     form = GateForm(**gate) if gate else None
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=C, dtypes=(torch.bfloat16,) * 4 + (table,),
                               half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                              gate_form=form)
+                              gate_form=form, d_skip=d_skip)
     assert not problems, problems
     layout = plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                  gate_form=form, N=N)
+                  gate_form=form, N=N, d_skip=d_skip)
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     fake = dict(q=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)), k=_Shaped(base[torch.bfloat16], (B, S, R, 1, N)),
                 v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
@@ -66,6 +67,8 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
     # The gate's arguments: qk_dot stand-ins without it (as the wrapper passes them).
     types.update({name: "*bf16" for name in ("dout_ptr", "z_ptr", "v_ptr", "phi_ptr", "zeta_ptr", "d_ptr", "dz_ptr",
                                               "dphi_ptr", "dzeta_ptr")})
+    if d_skip:
+        types.update(d_ptr="*fp32")
     if gate:
         types.update(raw_y_ptr="*bf16", raw_y_scale_ptr="*bf16",
                      **{name: "*fp32" for name in ("phi_ptr", "zeta_ptr", "d_ptr", "dphi_ptr", "dzeta_ptr")})
@@ -75,7 +78,7 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
                      HALF_ROTATION=half_rotation, SCALED_RAW_Y=scaled_raw_y,
                      TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None,
                      Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer, RING_WEIGHTS=ring_weights,
-                     GATE=bool(gate), HAS_Z=bool(gate and gate["has_z"]), HAS_D=bool(gate and gate["has_d"]))
+                     GATE=bool(gate), HAS_Z=bool(gate and gate["has_z"]), HAS_D=bool(gate and gate["has_d"]) or d_skip)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _scan_outputs_kernel.arg_names}
     source = GluonASTSource(_scan_outputs_kernel, signature, constants)
@@ -103,19 +106,21 @@ def main(argv=None):
         # with the per-token weights through the ring.
         tiles = [width for width in (32, 64, 128) if P % width == 0 and (width < 128 or N == 64)]
         widest = plan(C=shape["chunk_size"], R=shape["R"], P=P, half_rotation=True, N=N).block_p
-        variants = [(block_p, half_rotation, False, None) for block_p in tiles
-                    for half_rotation in (False, True)] + [(widest, True, True, None)]
+        variants = [(block_p, half_rotation, False, None, False) for block_p in tiles
+                    for half_rotation in (False, True)] + [(widest, True, True, None, False)]
         # The gate in the pass, in the dispatcher's form: with Z and D (the official grid), and without Z.
         gate_tile = min(widest, 64)
-        variants += [(gate_tile, True, False, dict(has_z=has_z, has_d=True)) for has_z in (True, False)]
-        for block_p, half_rotation, ring_weights, gate in variants:
+        variants += [(gate_tile, True, False, dict(has_z=has_z, has_d=True), False) for has_z in (True, False)]
+        # The D skip added to the stored raw_y, in the dispatcher's form.
+        variants += [(widest, True, False, None, True)]
+        for block_p, half_rotation, ring_weights, gate, d_skip in variants:
             layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
                           half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                          gate_form=GateForm(**gate) if gate else None, N=parse_case(case)["N"])
+                          gate_form=GateForm(**gate) if gate else None, N=parse_case(case)["N"], d_skip=d_skip)
             kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                                      gate=gate)
+                                      gate=gate, d_skip=d_skip)
             record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, gate=gate,
-                          **layout._asdict(), **summary(kernel), **global_copies(kernel))
+                          d_skip=d_skip, **layout._asdict(), **summary(kernel), **global_copies(kernel))
             print(record, flush=True)
             records.append(record)
     if args.json:

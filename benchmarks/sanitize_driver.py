@@ -72,6 +72,8 @@ SPLIT_SCAN_OUTPUTS_64 = dataclasses.replace(SPLIT_SCAN_OUTPUTS, scan_outputs_blo
 SPLIT_SCAN_OUTPUTS_RING = dataclasses.replace(SPLIT_SCAN_OUTPUTS_64, scan_outputs_ring_weights=True)
 # The gate in the fused pass (dz's rank sum through k~'s operands, the segments' partials), with and without Z.
 SPLIT_SCAN_OUTPUTS_GATE = dataclasses.replace(SPLIT_SCAN_OUTPUTS_64, scan_outputs_gate=True)
+# At N = 64 (both halves stacked): the widest tile (128 at P = 128) with the D skip added to raw_y.
+SPLIT_SCAN_OUTPUTS_D_SKIP = dataclasses.replace(SPLIT_SCAN_OUTPUTS, scan_outputs_block_p=0, scan_outputs_d_skip=True)
 
 # (name, impl, config, make_inputs keywords)
 CASES = [
@@ -133,6 +135,10 @@ CASES = [
      dict(B=1, S=128, H=2, G=1, N=128, P=64, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
     ("production-split-scan-outputs-gate-noz", "production", SPLIT_SCAN_OUTPUTS_GATE,
      dict(B=1, S=128, H=2, G=1, N=128, P=64, R=8, chunk_size=8, dtype=BF16, z=False, d=True)),
+    ("production-split-scan-outputs-n64-d-skip", "production", SPLIT_SCAN_OUTPUTS_D_SKIP,
+     dict(B=1, S=128, H=2, G=1, N=64, P=128, R=4, chunk_size=16, dtype=BF16, z=True, d=True)),
+    ("production-split-scan-outputs-n64-gate-noz", "production", SPLIT_SCAN_OUTPUTS_GATE,
+     dict(B=1, S=128, H=2, G=1, N=64, P=64, R=4, chunk_size=16, dtype=BF16, z=False, d=True)),
     ("stage0-z", "stage0", None,
      dict(B=2, S=40, H=4, G=2, N=16, P=40, R=3, chunk_size=16, dtype=F32, z=True, d=True)),
     ("stage0-noz", "stage0", None,

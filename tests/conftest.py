@@ -42,14 +42,15 @@ def to_device(inputs, device):
 
 
 def spy_gate_grads(monkeypatch):
-    """The name of each gate_grads launch (the Triton or the Gluon kernel) of the calls that follow, in a list."""
+    """Each gate_grads launch (the Triton or the Gluon kernel) of the calls that follow, in a list: (its name,
+    whether it adds the D skip)."""
     from mamba3_mimo.ops import gluon_gate_grads, production
 
     gates = []
     for module, name in ((production, "gate_grads"), (gluon_gate_grads, "gluon_gate_grads")):
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda _kernel=kernel, _name=name, **kw: (gates.append(_name),
-                                                                                   _kernel(**kw))[1])
+        monkeypatch.setattr(module, name, lambda _kernel=kernel, _name=name, **kw: (
+            gates.append((_name, kw.get("d") is not None)), _kernel(**kw))[1])
     return gates
 
 

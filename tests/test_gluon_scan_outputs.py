@@ -52,21 +52,24 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
         form = gluon_scan_outputs.GateForm(**record["gate"]) if record["gate"] else None
         layout = gluon_scan_outputs.plan(C=C, R=R, P=shape["P"], half_rotation=record["half_rotation"],
                                          block_p=record["block_p"], ring_weights=record["ring_weights"],
-                                         gate_form=form, N=shape["N"])
+                                         gate_form=form, N=shape["N"], d_skip=record["d_skip"])
         assert layout._asdict() == {name: record[name] for name in layout._fields}, record
         # q rotated in place at N = 128 over 64-wide tiles; at N = 64 (half the boxes) q~ keeps its operand.
         assert layout.q_in_place == (layout.block_p == 64 and shape["N"] == 128)
         model = gluon_scan_outputs.shared_bytes(C=C, R=R, half_rotation=record["half_rotation"],
                                                 ring_weights=record["ring_weights"], gate_form=form, N=shape["N"],
-                                                **layout._asdict())
+                                                d_skip=record["d_skip"], **layout._asdict())
         assert record["shared"] <= gluon_state_scan.SMEM_LIMIT, record
         # The model counts every buffer; the compiler adds barriers and alignment.
         assert model <= record["shared"] <= model + 768, (model, record)
         # 32-wide: no spill, but at C = 32 (32-row rank tiles of q and k to rotate): 128 B in fp32, 8 B in bf16.
         # 64-wide (twice the state, q~ @ state and raw_y columns at the same 232 registers): 80-192 B; 128-wide at
         # N = 64 (one [64, 128] state): 128 B.  The gate in the pass adds the chunk's dout / z / v rows and the gate's
-        # math beside the state: none at 32 wide, 144-520 B at 64 (R2_C32 with Z the most).
-        if record["gate"]:
+        # math beside the state: none at 32 wide, 144-520 B at 64 (R2_C32 with Z the most).  The D skip in raw_y adds
+        # v's rows: 112-200 B (N64_P128's 128-wide tile the most).
+        if record["d_skip"]:
+            assert record["stack"] <= 256, record
+        elif record["gate"]:
             assert record["stack"] <= (520 if layout.block_p == 64 else 0), record
         else:
             assert record["stack"] <= (192 if layout.block_p >= 64 else 0 if C <= 16 else 128), record
@@ -82,7 +85,7 @@ def test_ring_weights_take_the_consumers_weight_loads(compiled):
     ring = [record for record in compiled if record["ring_weights"]]
     assert {record["case"] for record in ring} == set(gluon_scan_outputs_probe.CASES)
     for record in ring:
-        plain = [other for other in compiled if not other["ring_weights"] and not other["gate"] and all(
+        plain = [other for other in compiled if not (other["ring_weights"] or other["gate"] or other["d_skip"]) and all(
             other[name] == record[name] for name in ("case", "block_p", "half_rotation"))]
         assert len(plain) == 1, record
         assert record["kernel_LDG"] < plain[0]["kernel_LDG"], (record, plain[0])
@@ -194,6 +197,11 @@ FUSED_CASES = [
     dict(N=64, P=128, R=4, chunk_size=16, S=256, H=2, G=1, angles=True, half=True, z=True, ring=True),
     dict(N=64, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, gate=True),
     dict(N=64, P=128, R=4, chunk_size=16, S=256, H=2, G=1, angles=True, half=True, z=False, gate=True, ring=True),
+    # The D skip added to the stored raw_y (scan_outputs_d_skip): over a 128-wide tile at N = 64, q rotated in place
+    # at N = 128, a 32-wide tile with the tables.
+    dict(N=64, P=128, R=4, chunk_size=16, S=256, H=2, G=1, angles=True, half=True, z=True, d_skip=True),
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, d_skip=True),
+    dict(N=128, P=32, R=2, chunk_size=32, S=256, H=2, G=1, angles=False, half=False, z=False, d_skip=True),
 ]
 
 
@@ -214,13 +222,15 @@ def _spy(monkeypatch):
                          f"R{c['R']}-C{c['chunk_size']}-P{c['P']}"
                          f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}"
                          f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}{'-ring' if c.get('ring') else ''}"
-                         f"{'-gate' if c.get('gate') else ''}{'-nod' if c.get('d') is False else ''}")
+                         f"{'-gate' if c.get('gate') else ''}{'-nod' if c.get('d') is False else ''}"
+                         f"{'-dskip' if c.get('d_skip') else ''}")
 def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkeypatch, case):
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     calls, tiles = _spy(monkeypatch)
     config = _config(case, scan_outputs=True, angles_in_kernels=case["angles"], scan_half_rotation=case["half"],
                      out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0,
-                     scan_outputs_ring_weights=case.get("ring", False), scan_outputs_gate=case.get("gate", False))
+                     scan_outputs_ring_weights=case.get("ring", False), scan_outputs_gate=case.get("gate", False),
+                     scan_outputs_d_skip=case.get("d_skip", False))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     gates = spy_gate_grads(monkeypatch)
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
@@ -228,11 +238,15 @@ def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkey
     assert calls and "chunk_scan" not in calls, calls
     # With the gate in the pass neither gate_grads kernel runs.
     assert (gates == []) is case.get("gate", False), gates
+    # With the D skip in the pass gate_grads adds none.
+    if case.get("d_skip"):
+        assert not any(with_d for _, with_d in gates), gates
     # Several segments: the storing pass folds the end-state pass's states.
     assert min(calls) > 1, calls
     form = gluon_scan_outputs.GateForm(case["z"], case.get("d", True)) if case.get("gate") else None
     widest = gluon_scan_outputs.plan(C=case["chunk_size"], R=case["R"], P=case["P"], N=case["N"],
-                                     half_rotation=case["half"], ring_weights=case.get("ring", False), gate_form=form)
+                                     half_rotation=case["half"], ring_weights=case.get("ring", False), gate_form=form,
+                                     d_skip=case.get("d_skip", False))
     assert set(tiles) == {case.get("block_p", widest.block_p)}, tiles
 
 
@@ -338,3 +352,40 @@ def test_host_wrapper_launches_the_gate_in_the_pass(monkeypatch, z, d):
     with pytest.raises(ValueError, match="dphi needs"):
         gluon_scan_outputs.scan_outputs(**scan, raw_y=None, raw_y_scale=None,
                                         gate=dict(gate, dphi=torch.empty(B, H, 1, R, P)))
+
+
+@pytest.mark.parametrize("N, P, block_p", [(128, 64, 64), (64, 128, 128)], ids=["N128-P64", "N64-P128"])
+def test_host_wrapper_launches_the_d_skip_into_raw_y(monkeypatch, N, P, block_p):
+    """With ``d`` and no gate the wrapper launches HAS_D without GATE: raw_y and its scales as without it, v and d in
+    the kernel's v_ptr and d_ptr, the other gate pointers standing in as qk_dot; ``d`` beside the gate is refused."""
+    launched = []
+    monkeypatch.setattr(gluon_scan_outputs, "launch", lambda kernel, grid, *args, **constants: launched.append(
+        (grid, args, constants)))
+    B, S, H, R, C = 1, 64, 2, 4, 16
+    inputs = make_inputs(B=B, S=S, H=H, G=1, N=N, P=P, R=R, chunk_size=C, dtype=torch.bfloat16, seed=3, d=True)
+    weights = torch.rand(2, B, H, S)
+    qk_dot = torch.empty(B, H, S, R, R, dtype=torch.bfloat16)
+    raw_y = torch.empty(B, H, S, R, P, dtype=torch.float16)
+    raw_y_scale = torch.empty(B, H, S, R, P // block_p)
+    scan = dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], q_bias=inputs["q_bias"], k_bias=inputs["k_bias"],
+                mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=weights[0],
+                trap_scale=weights[1], seg_state=torch.empty(B, H, 2, N, P), chunk_size=C, n_segments=2,
+                chunks_per_segment=2, angles=inputs["angles"], table_dtype=torch.bfloat16, half_rotation=True,
+                states=torch.empty(B, H, S // C, N, P, dtype=torch.bfloat16), qk_dot=qk_dot)
+    gluon_scan_outputs.scan_outputs(**scan, raw_y=raw_y, raw_y_scale=raw_y_scale, d=inputs["d"])
+    (grid, args, constants), = launched
+    assert constants["HAS_D"] and "GATE" not in constants and constants["BLOCK_P"] == block_p
+    assert grid == (P // block_p, 2, B * H)
+    assert args[14] is raw_y and args[15] is raw_y_scale and args[16] is qk_dot
+    want = [qk_dot, qk_dot, inputs["v"], qk_dot, qk_dot, inputs["d"], qk_dot, qk_dot, qk_dot]
+    for got, expected in zip(args[17:26], want):
+        assert got is expected
+    # Without d the launch is the plain one: no HAS_D, every gate pointer standing in as qk_dot.
+    launched.clear()
+    gluon_scan_outputs.scan_outputs(**scan, raw_y=raw_y, raw_y_scale=raw_y_scale)
+    (_, args, constants), = launched
+    assert "HAS_D" not in constants and all(arg is qk_dot for arg in args[16:26])
+    gate = dict(dout=inputs["dout"], z=None, mimo_o=inputs["mimo_o"], mimo_z=None, d=inputs["d"], dz=None,
+                dphi=torch.empty(B, H, 2, R, P), dzeta=None)
+    with pytest.raises(ValueError, match="the gate's d"):
+        gluon_scan_outputs.scan_outputs(**scan, raw_y=None, raw_y_scale=None, gate=gate, d=inputs["d"])

@@ -775,6 +775,26 @@ def test_official_scan_outputs_n64(check_kernel, monkeypatch, shape, z):
     assert bool(gates) is z, gates
 
 
+@pytest.mark.parametrize("shape", ["N64_P128_R4_C16", "N128_P64_R4_C16"])
+@pytest.mark.gpu
+@requires_cuda
+def test_official_scan_outputs_d_skip(check_kernel, monkeypatch, shape):
+    """The fused storing scan adding the D skip to raw_y itself (``scan_outputs_d_skip``, optimization.md section 55),
+    full size with Z: over N64_P128's 128-wide tile and N128_P64's 64-wide one (q rotated in place); gate_grads adds
+    no skip."""
+    from mamba3_mimo.ops.production import choose_config
+
+    sizes = parse_shape(shape)
+    tiles = _fused_tiles(monkeypatch)
+    gates = spy_gate_grads(monkeypatch)
+    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                           **sizes)
+    config = dataclasses.replace(chosen, scan_outputs=True, scan_outputs_d_skip=True)
+    check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
+                 ref_device="kernel", config=config, **sizes)
+    assert tiles and gates and not any(with_d for _, with_d in gates), (tiles, gates)
+
+
 @pytest.mark.parametrize("shape", ["N256_P64_R4_C8", "N128_P128_R4_C8"])
 @pytest.mark.parametrize("knobs", [dict(n_segments=1), dict(gluon_segments=1), dict(gluon_segments=1, block_p=32)],
                          ids=["one-segment", "one-gluon-segment", "one-gluon-segment-p32"])

@@ -161,6 +161,22 @@ def _gate_loads(dout_ptr, z_ptr, v_ptr, at, offs, HAS_Z: gl.constexpr, HAS_D: gl
 
 
 @gluon.jit
+def _head_tile(h, p0, R: gl.constexpr, P: gl.constexpr, BLOCK_P: gl.constexpr, num_warps: gl.constexpr):
+    """Offsets of the head's [R, P tile] tile of an [H, R, P] tensor (Phi, Zeta, Psi)."""
+    tile_regs: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+    head_r = gl.arange(0, R, gl.SliceLayout(1, tile_regs))
+    head_p = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, tile_regs))
+    return (h * R + head_r)[:, None] * P + head_p[None, :]
+
+
+@gluon.jit
+def _with_d_skip(y, v, d_psi_smem):
+    """raw_y viewed as [R, C, P tile] plus the D skip D Psi[r] v[t] in fp32 (v: the chunk's [C, P tile] rows)."""
+    rank_layout: gl.constexpr = gl.SliceLayout(1, y.type.layout)
+    return y + gl.expand_dims(d_psi_smem.load(rank_layout), 1) * gl.expand_dims(v.to(gl.float32), 0)
+
+
+@gluon.jit
 def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_psi_smem, dz_smem, dz_ptr, at, H, P,
                C: gl.constexpr, R: gl.constexpr, BLOCK_P: gl.constexpr, HAS_Z: gl.constexpr, HAS_D: gl.constexpr,
                num_warps: gl.constexpr):
@@ -173,7 +189,7 @@ def _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_ps
     rank_layout: gl.constexpr = gl.SliceLayout(1, y.type.layout)
     partials_layout: gl.constexpr = dphi_acc.type.layout
     if HAS_D:
-        y = y + gl.expand_dims(d_psi_smem.load(rank_layout), 1) * gl.expand_dims(v.to(gl.float32), 0)
+        y = _with_d_skip(y, v, d_psi_smem)
     y_dout = y * gl.expand_dims(dout.to(gl.float32), 0)
     if HAS_Z:
         z_rows = gl.expand_dims(z.to(gl.float32), 0)
@@ -237,13 +253,14 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
     all_rows = score_row < _ROWS
     all_cols = score_col < _ROWS
     bh64 = bh.to(gl.int64)
-    if GATE:
-        # The gate's running token sums, [R, P tile] in the layout of raw_y viewed as [R, C, P tile] and summed over
-        # tokens; the chunk's dout / z / v rows [C, P tile] in that view's layout without its ranks.
+    if GATE or HAS_D:
+        # The chunk's dout / z / v rows [C, P tile] in the layout of raw_y viewed as [R, C, P tile], without its
+        # ranks; with the gate its running token sums, [R, P tile] in that view's layout summed over tokens.
         y_view = gl.reshape(gl.zeros([_ROWS, BLOCK_P], gl.float32, acc_layout), [R, C, BLOCK_P])
-        partials_layout: gl.constexpr = _partials_layout(BLOCK_P, num_warps)
-        dphi_acc = gl.zeros([R, BLOCK_P], gl.float32, partials_layout)
-        dzeta_acc = dphi_acc
+        if GATE:
+            partials_layout: gl.constexpr = _partials_layout(BLOCK_P, num_warps)
+            dphi_acc = gl.zeros([R, BLOCK_P], gl.float32, partials_layout)
+            dzeta_acc = dphi_acc
         rows_layout: gl.constexpr = gl.SliceLayout(0, y_view.type.layout)
         gate_t = gl.arange(0, C, gl.SliceLayout(1, rows_layout))
         gate_p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, rows_layout))
@@ -366,6 +383,12 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             dphi_acc, dzeta_acc = _gate_step(raw_y, dphi_acc, dzeta_acc, dout, z, v, phi_smem, zeta_smem, d_psi_smem,
                                              dz_smem, dz_ptr, act, H, P, C, R, BLOCK_P, HAS_Z, HAS_D, num_warps)
         else:
+            if HAS_D:
+                # The D skip in fp32 before raw_y's fp16 scaling, so gate_grads adds none.
+                act = act_first + t0.to(gl.int64) * (H * P)
+                v = gl.load(v_ptr + act + gate_offs)
+                raw_y = gl.convert_layout(gl.reshape(_with_d_skip(gl.reshape(raw_y, [R, C, BLOCK_P]), v, d_psi_smem),
+                                                     [_ROWS, BLOCK_P]), acc_layout)
             # raw_y [B, H, S, R, P]: row (r, t) of the chunk is row (t0 + t) * R + r of the (b, h) sequence.
             seq_rows = (bh64 * S + t0 + y_row % C) * R + y_row // C
             if SCALED_RAW_Y:
@@ -402,7 +425,7 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
     WEIGHED_BUFFER the weighed scores have a buffer of their own, so q's stage is freed before raw_y's product; with
     RING_WEIGHTS the producer copies each chunk's da_rev and trap_scale into the ring beside its tiles; with GATE the
     consumer applies the gate to each chunk's raw_y in registers (dz, and the segment's dPhi / dZeta partials) instead
-    of storing it."""
+    of storing it; with HAS_D and not GATE it adds the D skip to raw_y before storing it."""
     HALF: gl.constexpr = N // 2
     STACKED: gl.constexpr = HALF < _OPERAND_COLS  # N = 64: one operand for both halves, one state-store buffer
     pid_p = gl.program_id(0)
@@ -508,21 +531,24 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
         weight_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_BUFFERS, C], plain)
     else:
         weight_bufs = psi_smem  # not used
+    # The head's Phi, Zeta (with Z) and D Psi (with D) tiles [R, P tile], read by the gate (or, D Psi alone, by the
+    # D skip added to raw_y) every chunk.
+    tile: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     if GATE:
-        # The head's Phi, Zeta (with Z) and D Psi (with D) tiles [R, P tile], read by the gate every chunk.
-        tile: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         phi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile)
         zeta_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile) if HAS_Z else phi_smem
         d_psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile) if HAS_D else phi_smem
-        tile_regs: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-        head_r = gl.arange(0, R, gl.SliceLayout(1, tile_regs))
-        head_p = p0 + gl.arange(0, BLOCK_P, gl.SliceLayout(0, tile_regs))
-        head_tile = (h * R + head_r)[:, None] * P + head_p[None, :]
+        head_tile = _head_tile(h, p0, R, P, BLOCK_P, num_warps)
         phi_smem.store(gl.load(phi_ptr + head_tile))
         if HAS_Z:
             zeta_smem.store(gl.load(zeta_ptr + head_tile))
         if HAS_D:
             d_psi_smem.store(gl.load(d_ptr + h) * gl.load(psi_ptr + head_tile))
+    elif HAS_D:
+        d_psi_smem = gl.allocate_shared_memory(gl.float32, [R, BLOCK_P], tile)
+        d_psi_smem.store(gl.load(d_ptr + h) * gl.load(psi_ptr + _head_tile(h, p0, R, P, BLOCK_P, num_warps)))
+        phi_smem = psi_smem  # not used without the gate
+        zeta_smem = psi_smem
     else:
         phi_smem = psi_smem  # not used
         zeta_smem = psi_smem
@@ -547,14 +573,15 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
 
 
 def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_place=False, weighed_buffer=False,
-                 ring_weights=False, gate_form=None, N=128):
+                 ring_weights=False, gate_form=None, N=128, d_skip=False):
     """The kernel's shared memory: the ring's stages (k, with q unless ``q_in_place``, the angles or the two 16-bit
     tables, v), q's own stage where it is rotated in place, the [rows, 64] k~ operands (and q~'s unless in place; one
     each at N = 64, both halves stacked, but k~'s two with the gate), the two psiv, the weighed scores' buffer
     (``weighed_buffer``), the state-store buffers (one at N = 64) and the bias / Psi rows (the bias in the rotation's
     dtype: fp32, or bf16 with ``half_rotation``), and with ``ring_weights`` each stage's da_rev and trap_scale rows,
     and with the gate (``gate_form``, a ``GateForm``) its fp32 [R, P tile] head tiles and, at C > 16, its token sums'
-    scratch (its dz scratch is k~'s operands).  The compiler adds barriers and alignment (a few hundred bytes)."""
+    scratch (its dz scratch is k~'s operands), or with the D skip in raw_y (``d_skip``) the D Psi tile.  The compiler
+    adds barriers and alignment (a few hundred bytes)."""
     half = N // 2
     halves = 1 if half < OPERAND_COLS else 2  # operands and state-store buffers a q~, k~ or state
     half_box = ROWS * half * 2  # one N/2 half of q or k for a chunk: [R, C, N/2] bf16
@@ -571,6 +598,8 @@ def shared_bytes(*, C, R, block_p=32, num_buffers=1, half_rotation=False, q_in_p
         # takes none).
         fixed += (1 + gate_form.has_z + gate_form.has_d) * R * block_p * 4
         fixed += R * block_p * 4 * ((1 + gate_form.has_z) * (C // 16 - 1) if C > 16 else gate_form.has_z)
+    elif d_skip:
+        fixed += R * block_p * 4
     return fixed + num_buffers * stage
 
 
@@ -593,15 +622,16 @@ class GateForm(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate_form=None, N=128):
+def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate_form=None, N=128, d_skip=False):
     """The widest P tile (64, else 32; or ``block_p``) that divides P and fits the 99 KB bound, with its layout, or
     None.  At 32 columns q~ and k~ have operands of their own beside one or two ring stages.  At 64 (one program
     covers P = 64: q and k rotated once, half the steps of two 32-wide tiles) they do not fit at N = 128: q is rotated
     where it lands in a stage of its own, and the weighed scores get a buffer where it fits, so q's stage is freed
     before raw_y's product (with fp32 bias rows or 32-token chunks they take q~'s low operand instead).  At N = 64
     (half the boxes and operands) q~ keeps its operand.  ``ring_weights``: the stages hold the chunk's da_rev and
-    trap_scale too; ``gate_form``: the gate in the pass (a ``GateForm``; None where raw_y is stored).  Cached: every
-    call asks it from ``unsupported``, the production path and ``scan_outputs``."""
+    trap_scale too; ``gate_form``: the gate in the pass (a ``GateForm``; None where raw_y is stored); ``d_skip``: the D
+    skip added to the stored raw_y.  Cached: every call asks it from ``unsupported``, the production path and
+    ``scan_outputs``."""
     stacked = N // 2 < OPERAND_COLS
     # At N = 64 a 128-wide tile's accumulators fit the consumer's registers (one [64, P tile] state, not two); not
     # with the gate, whose dz scratch over k~'s operands holds a 64-wide tile's.
@@ -610,7 +640,7 @@ def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate
             continue
         in_place = width > 32 and not stacked
         layout = dict(C=C, R=R, block_p=width, half_rotation=half_rotation, q_in_place=in_place,
-                      ring_weights=ring_weights, gate_form=gate_form, N=N)
+                      ring_weights=ring_weights, gate_form=gate_form, N=N, d_skip=d_skip)
         weighed = in_place and _fits(**layout, weighed_buffer=True)
         layout.update(weighed_buffer=weighed)
         if _fits(**layout):
@@ -619,7 +649,7 @@ def plan(*, C, R, P, half_rotation=False, block_p=None, ring_weights=False, gate
 
 
 def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block_p=None, ring_weights=False,
-                   gate_form=None):
+                   gate_form=None, d_skip=False):
     """What keeps the kernel from covering this problem: a list of reasons, empty where it does.
     ``dtypes``: (q, k, v, states) and the rotation tables' (or the angles' table dtype)."""
     C = chunk_size
@@ -629,7 +659,7 @@ def shape_problems(*, S, R, N, P, chunk_size, dtypes, half_rotation=False, block
     if C * R != ROWS or C % 8:
         problems.append(f"C * R = {ROWS} with C a multiple of 8, got C={C}, R={R}")
     elif N in NS and plan(C=C, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                          gate_form=gate_form, N=N) is None:
+                          gate_form=gate_form, N=N, d_skip=d_skip) is None:
         tiles = block_p or ("32, 64 or 128" if N == 64 and not gate_form else "32 or 64")
         problems.append(f"a P tile of {tiles} dividing P with one ring stage within {SMEM_LIMIT} bytes of shared "
                         f"memory, got P={P}, C={C}, R={R}")
@@ -658,7 +688,7 @@ def gate_form_of(gate):
 
 
 def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None, angles=None, table_dtype=None,
-                tensors=(), half_rotation=False, block_p=None, ring_weights=False, gate=None):
+                tensors=(), half_rotation=False, block_p=None, ring_weights=False, gate=None, d=None):
     """None where the kernel covers this call (the scan and output arguments as ``scan_outputs`` takes them), else
     the reason: a Hopper GPU outside the interpreter, contiguous 16-byte aligned tensors (``tensors`` names more to
     check, as do the ``gate`` dict's), and ``shape_problems``."""
@@ -674,7 +704,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
     problems = shape_problems(S=S, R=R, N=N, P=v.shape[3], chunk_size=chunk_size,
                               dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
                               half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                              gate_form=gate_form_of(gate))
+                              gate_form=gate_form_of(gate), d_skip=d is not None and not gate)
     problems += _gate_problems(gate or {})
     if (v.shape[2] * trig["RD"] * 2) % 16:
         problems.append(f"16-byte rows of the cos / sin tables, got H * RD = {v.shape[2] * trig['RD']}")
@@ -684,7 +714,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
 def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
                  raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
                  angles=None, table_dtype=None, half_rotation=False, block_p=None, ring_weights=False, gate=None,
-                 **_unused):
+                 d=None, **_unused):
     """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
     skip), through one kernel.
 
@@ -696,7 +726,8 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     [B, H, S, R, P / block_p] fp32, the factor undoing each row's power of two, or fp32 with raw_y_scale None).
     ``half_rotation``: q's and k's bias add and rotation in bf16.  ``block_p``: the P tile (None: ``plan``'s, the
     widest that fits; raw_y_scale has a column per tile).  ``ring_weights``: each chunk's da_rev and trap_scale reach
-    the consumer through the ring (copied by the producer) rather than by its own loads.
+    the consumer through the ring (copied by the producer) rather than by its own loads.  ``d`` [H] fp32: the D skip
+    added to raw_y in fp32 before it is stored (else left to ``gate_grads``; with ``gate`` it is the gate's d).
 
     ``gate``: the gate applied in the pass, so no raw_y goes out (raw_y and raw_y_scale None): a dict of dout, z (or
     None) [B, S, H, P] 16-bit, mimo_o, mimo_z (or None) [H, R, P] fp32, d [H] fp32 (or None: no D skip; with the
@@ -705,15 +736,18 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     B, S, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     trig = rotation_source("gluon_scan_outputs", k, cos_angles, sin_angles, angles, table_dtype)
+    if gate and d is not None:
+        raise ValueError("gluon_scan_outputs: with the gate in the pass the D skip is the gate's d")
+    d_skip = d is not None
     problems = shape_problems(S=S, R=R, N=N, P=P, chunk_size=chunk_size,
                               dtypes=(q.dtype, k.dtype, v.dtype, states.dtype, trig["table_dtype"]),
                               half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                              gate_form=gate_form_of(gate))
+                              gate_form=gate_form_of(gate), d_skip=d_skip)
     problems += _gate_problems(gate or {})
     if problems:
         raise ValueError("gluon_scan_outputs: needs " + "; ".join(problems))
     layout = plan(C=chunk_size, R=R, P=P, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                  gate_form=gate_form_of(gate), N=N)
+                  gate_form=gate_form_of(gate), N=N, d_skip=d_skip)
     if gate and (raw_y is not None or raw_y_scale is not None):
         raise ValueError("gluon_scan_outputs: with the gate in the pass there is no raw_y scratch")
     if gate and gate["dphi"].shape != (B, H, n_segments, R, P):
@@ -726,7 +760,7 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     launch(_scan_outputs_kernel, (P // layout.block_p, n_segments, B * H),
            *(found[name] for name in ("q_desc", "k_desc", "cos_desc", "sin_desc", "v_desc", "states_desc")),
            da_cs, da_cs_rev, gamma, trap_scale, q_bias, k_bias, mimo_v,
-           trap_scale if seg_state is None else seg_state, *_output_args(raw_y, raw_y_scale, qk_dot, gate, v),
+           trap_scale if seg_state is None else seg_state, *_output_args(raw_y, raw_y_scale, qk_dot, gate, v, d),
            S, H, G, cdiv(S, chunk_size), chunks_per_segment, n_segments,
            C=chunk_size, R=R, N=N, P=P, RD=trig["RD"], BLOCK_P=layout.block_p, NUM_BUFFERS=layout.num_buffers,
            BLOCK_SEG_CHUNKS=triton.next_power_of_2(chunks_per_segment), num_warps=4, maxnreg=MAX_REGISTERS,
@@ -734,14 +768,16 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
            **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}),
            **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}),
            **({"RING_WEIGHTS": True} if ring_weights else {}),
-           **(dict(GATE=True, HAS_Z=gate["z"] is not None, HAS_D=gate["d"] is not None) if gate else {}))
+           **(dict(GATE=True, HAS_Z=gate["z"] is not None, HAS_D=gate["d"] is not None) if gate else {}),
+           **({"HAS_D": True} if d_skip else {}))
 
 
-def _output_args(raw_y, raw_y_scale, qk_dot, gate, v):
+def _output_args(raw_y, raw_y_scale, qk_dot, gate, v, d):
     """The kernel's arguments from raw_y_ptr to dzeta_ptr; the unused ones stand in as qk_dot (GATE off, or Z / D
-    off within the gate)."""
+    off within the gate); without the gate, v and d where the D skip goes into raw_y (``d``)."""
     if not gate:
-        return (raw_y, raw_y if raw_y_scale is None else raw_y_scale, qk_dot) + (qk_dot,) * 9
+        skip = (qk_dot,) * 4 if d is None else (v, qk_dot, qk_dot, d)
+        return (raw_y, raw_y if raw_y_scale is None else raw_y_scale, qk_dot, qk_dot, qk_dot) + skip + (qk_dot,) * 3
     stand_in = gate["dout"]
     args = dict(dout=gate["dout"], z=gate["z"], v=v, phi=gate["mimo_o"], zeta=gate["mimo_z"], d=gate["d"],
                 dz=gate["dz"], dphi=gate["dphi"], dzeta=gate["dzeta"])

@@ -256,6 +256,8 @@ class ScanConfig:
     dPhi / dZeta partials of its segment, with the D skip in fp32), so no raw_y scratch goes out and back and
     ``gate_grads`` is not launched (where the kernel covers the gate: 16-bit dout / z; section 54).  The dispatcher's
     without Z only (section 55).
+    scan_outputs_d_skip: without the gate in it, that kernel adds the D skip to raw_y in fp32 before storing it, so
+    ``gate_grads`` adds none (at P = 128, where gate_grads with the skip costs more; section 55).
     """
 
     block_p: int
@@ -299,6 +301,7 @@ class ScanConfig:
     scan_outputs_block_p: int = 0
     scan_outputs_ring_weights: bool = False
     scan_outputs_gate: bool = False
+    scan_outputs_d_skip: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_half", "out_block_p"):
@@ -721,12 +724,13 @@ def _gluon_scan(config, *, scan, states):
 
 
 def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation, gate):
-    """(the ``gluon_scan_outputs`` module, its P tile, whether it applies the gate) where ``config`` asks for it
-    (``scan_outputs`` with the stored raw_y and the Gluon scan) and it covers this call, else (None, None, False).
-    ``gate``: the gate's inputs and dz (``gluon_scan_outputs.scan_outputs``' dict, less the partials), taken where
-    ``scan_outputs_gate`` asks for it and the kernel covers it; else raw_y is stored for ``gate_grads``."""
+    """(the ``gluon_scan_outputs`` module, its P tile, whether it applies the gate, whether it adds the D skip to
+    raw_y) where ``config`` asks for it (``scan_outputs`` with the stored raw_y and the Gluon scan) and it covers this
+    call, else (None, None, False, False).  ``gate``: the gate's inputs and dz (``gluon_scan_outputs.scan_outputs``'
+    dict, less the partials), taken where ``scan_outputs_gate`` asks for it and the kernel covers it; else raw_y is
+    stored for ``gate_grads``, with the D skip where ``scan_outputs_d_skip`` asks for it."""
     if not (config.scan_outputs and config.split_gate and not config.gate_in_scan and gluon):
-        return None, None, False
+        return None, None, False, False
     from . import gluon_scan_outputs
 
     rotation = {name: scan.get(name) for name in ("cos_angles", "sin_angles", "angles", "table_dtype")}
@@ -735,11 +739,13 @@ def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation, gate
     covered = dict(q=q, k=scan["k"], v=scan["v"], states=states, chunk_size=scan["chunk_size"],
                    tensors=dict(qk_dot=qk_dot), **rotation, **tile)
     with_gate = bool(config.scan_outputs_gate) and gluon_scan_outputs.unsupported(**covered, gate=gate) is None
-    if not with_gate and gluon_scan_outputs.unsupported(**covered) is not None:
+    d_skip = not with_gate and config.scan_outputs_d_skip and gate["d"] is not None
+    if not with_gate and gluon_scan_outputs.unsupported(**covered, d=gate["d"] if d_skip else None) is not None:
         return None, None, False
     layout = gluon_scan_outputs.plan(C=scan["chunk_size"], R=q.shape[2], P=scan["v"].shape[3], N=q.shape[4],
-                                     gate_form=gluon_scan_outputs.gate_form_of(gate if with_gate else None), **tile)
-    return gluon_scan_outputs, layout.block_p, with_gate
+                                     gate_form=gluon_scan_outputs.gate_form_of(gate if with_gate else None),
+                                     d_skip=d_skip, **tile)
+    return gluon_scan_outputs, layout.block_p, with_gate, d_skip
 
 
 def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d,
@@ -804,9 +810,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             scan.update(from_angles)
         scan_rotation_16bit = scan_rotation != tl.float32
         fused_gate = dict(dout=dout, z=z, mimo_o=mimo_o, mimo_z=mimo_z, d=d, dz=dz)
-        fused, fused_block_p, gate_in_pass = _scan_outputs(config, gluon=gluon, scan=scan, q=q, states=handoff,
-                                                           qk_dot=qk_dot, half_rotation=scan_rotation_16bit,
-                                                           gate=fused_gate)
+        fused, fused_block_p, gate_in_pass, d_in_pass = _scan_outputs(
+            config, gluon=gluon, scan=scan, q=q, states=handoff, qk_dot=qk_dot, half_rotation=scan_rotation_16bit,
+            gate=fused_gate)
         wanted_segments = config.n_segments
         if fused:
             # gluon_segments, or as many as one wave of programs holds (more where segments would exceed 32 chunks).
@@ -855,14 +861,15 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
             rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
             defer_qk_dot=config.out_defer_qk_dot)
-        # The fused storing pass leaves the D skip to gate_grads.
-        d_in_gate = (config.d_in_gate or fused is not None) and d is not None
+        # The fused storing pass leaves the D skip to gate_grads, unless it adds it to raw_y itself.
+        d_in_gate = (config.d_in_gate or fused is not None) and d is not None and not d_in_pass
         if fused:
             # The fused storing pass: either raw_y for gate_grads, or (gate) the gate applied in the pass.
             run_fused = functools.partial(fused.scan_outputs, **dict(scan, block_p=fused_block_p), q=q, q_bias=q_bias,
                                           states=handoff, seg_state=seg_end, qk_dot=qk_dot,
                                           half_rotation=scan_rotation_16bit,
-                                          ring_weights=config.scan_outputs_ring_weights)
+                                          ring_weights=config.scan_outputs_ring_weights,
+                                          d=d if d_in_pass else None)
         if gate_in_pass:
             # Its segments' partials, no raw_y scratch, no gate_grads.
             dphi = torch.empty((B, H, n_segments, R, P), device=q.device, dtype=torch.float32)
