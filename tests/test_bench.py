@@ -156,9 +156,11 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.d_in_gate is (config.split_gate and parse_case(case)["P"] <= 64)
     assert config.gluon_scan  # production runs it where gluon_state_scan.unsupported finds nothing against the call
     # The Gluon gate_grads wherever gate_grads runs at R = 4 or 8 and P <= 64 (sections 37, 39); R = 2 (a tie) and
-    # P = 128 (a loss on the H200) keep the Triton kernel.
+    # P = 128 (a loss on the H200) keep the Triton kernel, but after the fused pass (N64_P128), which leaves gate_grads
+    # the D skip (section 55).
     R, P = parse_case(case)["R"], parse_case(case)["P"]
-    assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8) and P <= 64)
+    assert config.gluon_gate is (config.split_gate and not config.gate_in_scan and R in (4, 8)
+                                 and (P <= 64 or config.scan_outputs))
     small_chunks = half and parse_case(case)["N"] <= 32 and parse_case(case)["chunk_size"] * R <= 32
     assert small_chunks is (half and case == "N16_P64_R4_C8")
     # N16 with the bf16 rotation: chunk_scan over single chunks at 2 warps and 96 registers, applying the gate with Z
@@ -172,7 +174,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     fused_n64 = case in ("N64_P64_R4_C16", "N64_P128_R4_C16") and (has_z or case == "N64_P64_R4_C16")
     assert config.gate_in_scan is ((small_chunks or not has_z or R == 1) and not fused_without_z)
     assert plain.gate_in_scan is (not has_z or R == 1)
-    assert config.gluon_gate is ((has_z or fused_without_z) and R in (4, 8) and P <= 64 and not small_chunks)
+    # ... and after the fused pass at P = 128, which leaves it the D skip (N64_P128 with Z; section 55).
+    assert config.gluon_gate is (((has_z or fused_without_z) and R in (4, 8) and P <= 64 and not small_chunks)
+                                 or (has_z and case == "N64_P128_R4_C16"))
     # The Gluon two-pass scan in one segment, and the one-scan fold with local states (timed on an H100, section 40).
     assert config.gluon_segments == (0 if config.local_states else 1)
     assert config.fold_one_scan is config.local_states

@@ -591,6 +591,11 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # (fused pass + gate_grads -> gate in the pass): N128_P64_R4_C16 283.8 -> 244.6, N128_P32 219.3 -> 211.0, R8_C8
     # 552.3 -> 515.9.  With Z it loses (a7409bf: 299.2 -> 335.3, 227.7 -> 242.4; section 54).
     scan_outputs_gate = bool(scan_outputs and not has_z)
+    # The Gluon gate_grads also at P = 128 after the fused pass, which leaves it the D skip (chunk_scan had added it).
+    # H100, cb373a9 (2026-12-07_h100_sweep_cb373a9_gluon_gate_p128.json, graph us, Triton -> Gluon): N64_P128 450.3 ->
+    # 425.1 (gate_grads 136.2 -> 112.3); N128_P128 (chunk_scan adds the skip) 662.8 -> 660.4, left as it was.  On the
+    # H200 the Triton kernel had won at P = 128 without the skip (section 39); with it, not timed there.
+    gluon_gate = gluon_gate or bool(scan_outputs and not scan_outputs_gate and R in (4, 8) and p_pow >= 128)
     # Its per-token weights through the ring at chunks of 16 tokens or more.  H100, 3f04e36
     # (2026-12-07_h100_sweep_3f04e36_ring_weights.json, graph us, off -> on, fused kernel us), with Z:
     # N128_P64_R4_C16 298.2 -> 292.2 (177.7 -> 168.5), N128_P32 228.1 -> 226.8 (143.3 -> 137.3), R2_C32 192.5 ->
