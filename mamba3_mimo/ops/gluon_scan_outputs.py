@@ -15,15 +15,16 @@ is the B operand of q~ @ state_in, so raw_y sees the bf16 states that chunk_scan
 once for the update and the scores.  raw_y goes to the scratch ``gate_grads`` reads (fp16 with a power of two per
 row and P tile, or fp32), qk_dot from the first P tile's programs; the D skip is left to ``gate_grads``.
 
-Partitions: a 1-warp producer streams each chunk's q and k (as [R, C, 64] boxes of [R, B * S, G * N], both N/2
+Partitions: a 1-warp producer streams each chunk's q and k (as [R, C, N/2] boxes of [R, B * S, G * N], both N/2
 halves), cos / sin (or the fp32 angles) and v into a ring of shared-memory stages with TMA; the 4-warp consumer
-rotates q and k, weighs v, releases the stage and runs the chunk's seven wgmma.  One program per (P tile, segment,
-(b, h)) holds the whole [N, P tile] state.  The P tile is 32 or 64 wide (``plan``): at 64, separate q~ and k~
-operands beside a ring stage do not fit, so q has a one-stage ring of its own and is rotated where it lands
-(section 52).  What it covers (``unsupported``): a Hopper GPU, N = 128, P a multiple of 32, C * R = 64 (one wgmma
-M), C a multiple of 8, S a multiple of C, bf16 q / k / v and states, 16-bit tables or the angles, within the 99 KB
-bound.  Like the Gluon scan, it does not run in the Triton interpreter: its values are tested on the GPU
-(``tests/test_gluon_scan_outputs.py``).
+rotates q and k, weighs v, releases the stage and runs the chunk's seven wgmma (four at N = 64, where both halves
+are stacked in one 64-row state and one operand each, section 55).  One program per (P tile, segment, (b, h)) holds
+the whole [N, P tile] state.  The P tile is 32 or 64 wide (``plan``; 128 at N = 64 without the gate): at 64 and
+N = 128, separate q~ and k~ operands beside a ring stage do not fit, so q has a one-stage ring of its own and is
+rotated where it lands (section 52).  What it covers (``unsupported``): a Hopper GPU, N = 64 or 128, P a multiple of
+32, C * R = 64 (one wgmma M), C a multiple of 8, S a multiple of C, bf16 q / k / v and states, 16-bit tables or the
+angles, within the 99 KB bound.  Like the Gluon scan, it does not run in the Triton interpreter: its values are
+tested on the GPU (``tests/test_gluon_scan_outputs.py``).
 """
 
 import functools
