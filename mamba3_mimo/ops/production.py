@@ -244,7 +244,7 @@ class ScanConfig:
     angles, the call neither writes nor reads the tables: 8 bytes fewer an angle (docs/optimization.md section 50).
     scan_outputs: with split_gate (raw_y stored, not gate_in_scan) and the Gluon scan, the call runs two passes and
     its storing pass forms raw_y and qk_dot itself while each entering state is on chip (``gluon_scan_outputs``, where
-    it covers the call: N = 128, C * R = 64, ...): chunk_scan is not launched and ``states`` is not read back; the
+    it covers the call: N = 64 or 128, C * R = 64, ...): chunk_scan is not launched and ``states`` is not read back; the
     D skip joins ``gate_grads``.  Its segments are ``gluon_segments``, or (0) as many as fill
     ``SCAN_OUTPUTS_PROGRAMS_PER_SM`` programs an SM (docs/optimization.md section 51).
     scan_outputs_block_p: that kernel's P tile, 32, 64 or 128 (N = 64 without the gate) (0: the widest that divides P
