@@ -670,13 +670,18 @@ def test_official_grid_without_z(check_kernel, shape):
 def test_official_grid_fused_output(check_kernel, shape):
     """The dispatcher's config for the fused output stage (chunk_output), which the official shapes no
     longer take: it stays callable through ScanConfig and must stay exact."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
-    fused = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                          split_gate=False, **sizes)
+    fused = _official_config(sizes, split_gate=False)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=fused, **sizes)
+
+
+def _official_config(sizes, **knobs):
+    """The dispatcher's config for an official shape (``sizes``, parsed) at the official B, H and S on this GPU."""
+    from mamba3_mimo.ops.production import choose_config
+
+    return choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                         **knobs, **sizes)
 
 
 def _fused_tiles(monkeypatch):
@@ -696,12 +701,9 @@ def test_official_scan_outputs_64(check_kernel, monkeypatch, shape):
     """The official N = 128, P = 64 shapes through the fused storing scan over its 64-wide P tile (q rotated in
     place; optimization.md section 52): timed to win there; the dispatcher took it (``SCAN_OUTPUTS_P``) once this
     full-size check had passed on a GPU (section 53), and it is kept whatever the dispatcher says."""
-    from mamba3_mimo.ops.production import choose_config
-
     tiles = _fused_tiles(monkeypatch)
     sizes = parse_shape(shape)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           **sizes)
+    chosen = _official_config(sizes)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=dataclasses.replace(chosen, scan_outputs=True), **sizes)
     assert tiles and set(tiles) == {64}, tiles
@@ -739,13 +741,10 @@ def test_official_scan_outputs_gate(check_kernel, monkeypatch, shape, z):
     """The official N = 128, C * R = 64 shapes at full size with the gate applied inside the fused storing scan
     (``scan_outputs_gate``, optimization.md section 54): no gate_grads launch, dz and the Phi / Zeta gradients from
     the segments' partials, with Z and without."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
     calls = _fused_tiles(monkeypatch)
     gates = spy_gate_grads(monkeypatch)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           has_z=z, **sizes)
+    chosen = _official_config(sizes, has_z=z)
     config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, scan_outputs_gate=True)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
                  ref_device="kernel", config=config, **sizes)
@@ -760,13 +759,10 @@ def test_official_scan_outputs_n64(check_kernel, monkeypatch, shape, z):
     """The official N = 64, C * R = 64 shapes at full size through the fused storing scan (both N/2 halves stacked
     in one 64-row state; optimization.md section 55), its weights through the ring: raw_y for gate_grads with Z (over
     a 128-wide tile at P = 128), the gate in the pass without Z."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
     tiles = _fused_tiles(monkeypatch)
     gates = spy_gate_grads(monkeypatch)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           has_z=z, **sizes)
+    chosen = _official_config(sizes, has_z=z)
     config = dataclasses.replace(chosen, gate_in_scan=False, scan_outputs=True, scan_outputs_gate=not z,
                                  scan_outputs_ring_weights=True)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
@@ -782,13 +778,10 @@ def test_official_scan_outputs_d_skip(check_kernel, monkeypatch, shape):
     """The fused storing scan adding the D skip to raw_y itself (``scan_outputs_d_skip``, optimization.md section 55),
     full size with Z: over N64_P128's 128-wide tile and N128_P64's 64-wide one (q rotated in place); gate_grads adds
     no skip."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
     tiles = _fused_tiles(monkeypatch)
     gates = spy_gate_grads(monkeypatch)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           **sizes)
+    chosen = _official_config(sizes)
     config = dataclasses.replace(chosen, scan_outputs=True, scan_outputs_d_skip=True)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=config, **sizes)
@@ -804,11 +797,8 @@ def test_official_two_pass_scan_segments(check_kernel, shape, knobs):
     """The two-pass shapes with their state scan in one segment (no end-state pass: each program walks every chunk),
     for every scan or for the Gluon one (``gluon_segments``), and with 32-wide P tiles: the candidates of
     sweep_prepared.sh part 19 against the dispatcher's two segments (section 39)."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           **sizes)
+    chosen = _official_config(sizes)
     assert not chosen.local_states  # the two-pass schedule, where n_segments sets the end-state pass
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=dataclasses.replace(chosen, **knobs), **sizes)
@@ -846,11 +836,8 @@ def test_official_pdl(check_kernel, shape, z):
     differ).  Not bitwise the same config without PDL: where the wait moves work (chunk_scan's table loads), the
     compiler orders the arithmetic differently, and on the H100 up to 13% of qk_dot moved by one bf16 ulp at R <= 2,
     the same in every call (``benchmarks/pdl_diag.py``)."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           has_z=z, **sizes)
+    chosen = _official_config(sizes, has_z=z)
     config = dataclasses.replace(chosen, pdl=True)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=z, d=True, output_dtype=BF16,
                  ref_device="kernel", config=config, **sizes)
@@ -870,11 +857,8 @@ def test_official_pdl(check_kernel, shape, z):
 def test_official_fold_one_scan_with_pdl(check_kernel, shape):
     """The official shapes with the two knobs of section 40 on: the segment fold as one scan over the segments
     (where local states run) and programmatic dependent launch, against the reference at full size."""
-    from mamba3_mimo.ops.production import choose_config
-
     sizes = parse_shape(shape)
-    chosen = choose_config(B=4, H=16, S=2048, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                           **sizes)
+    chosen = _official_config(sizes)
     check_kernel("production", B=4, S=2048, H=16, G=1, dtype=BF16, z=True, d=True, output_dtype=BF16,
                  ref_device="kernel", config=dataclasses.replace(chosen, fold_one_scan=True, pdl=True), **sizes)
 
