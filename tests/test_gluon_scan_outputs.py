@@ -202,6 +202,14 @@ FUSED_CASES = [
     dict(N=64, P=128, R=4, chunk_size=16, S=256, H=2, G=1, angles=True, half=True, z=True, d_skip=True),
     dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, d_skip=True),
     dict(N=128, P=32, R=2, chunk_size=32, S=256, H=2, G=1, angles=False, half=False, z=False, d_skip=True),
+    # The end-state pass over spans of two chunks (end_span_chunks, on span_decays' tables): the dispatcher's forms at
+    # N128_P64_R4_C16 and N64_P128, 8-token chunks at R = 8 with the ring weights and the gate without Z, 64-token
+    # spans over a 32-wide tile with the tables.
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, ring=True, end_span=2),
+    dict(N=64, P=128, R=4, chunk_size=16, S=256, H=2, G=1, angles=True, half=True, z=True, end_span=2),
+    dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=False, ring=True, gate=True,
+         end_span=2),
+    dict(N=128, P=32, R=2, chunk_size=32, S=256, H=2, G=1, angles=False, half=False, z=True, end_span=2),
 ]
 
 
@@ -223,14 +231,18 @@ def _spy(monkeypatch):
                          f"{'-angles' if c['angles'] else ''}{'-half' if c['half'] else ''}{'-z' if c['z'] else ''}"
                          f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}{'-ring' if c.get('ring') else ''}"
                          f"{'-gate' if c.get('gate') else ''}{'-nod' if c.get('d') is False else ''}"
-                         f"{'-dskip' if c.get('d_skip') else ''}")
+                         f"{'-dskip' if c.get('d_skip') else ''}{'-span%d' % c['end_span'] if 'end_span' in c else ''}")
 def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkeypatch, case):
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     calls, tiles = _spy(monkeypatch)
+    end_chunks = []
+    end_pass = gluon_state_scan.gluon_segment_end_states
+    monkeypatch.setattr(gluon_state_scan, "gluon_segment_end_states",
+                        lambda **kw: (end_chunks.append(kw["chunk_size"]), end_pass(**kw))[1])
     config = _config(case, scan_outputs=True, angles_in_kernels=case["angles"], scan_half_rotation=case["half"],
                      out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0,
                      scan_outputs_ring_weights=case.get("ring", False), scan_outputs_gate=case.get("gate", False),
-                     scan_outputs_d_skip=case.get("d_skip", False))
+                     scan_outputs_d_skip=case.get("d_skip", False), end_span_chunks=case.get("end_span", 1))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     gates = spy_gate_grads(monkeypatch)
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
@@ -241,8 +253,9 @@ def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkey
     # With the D skip in the pass gate_grads adds none.
     if case.get("d_skip"):
         assert not any(with_d for _, with_d in gates), gates
-    # Several segments: the storing pass folds the end-state pass's states.
+    # Several segments: the storing pass folds the end-state pass's states, from chunks of end_span_chunks chunks.
     assert min(calls) > 1, calls
+    assert set(end_chunks) == {case.get("end_span", 1) * case["chunk_size"]}, end_chunks
     form = gluon_scan_outputs.GateForm(case["z"], case.get("d", True)) if case.get("gate") else None
     widest = gluon_scan_outputs.plan(C=case["chunk_size"], R=case["R"], P=case["P"], N=case["N"],
                                      half_rotation=case["half"], ring_weights=case.get("ring", False), gate_form=form,

@@ -150,6 +150,7 @@ def test_update_operand_buffers_take_what_fits_beside_the_ring(case, operand_buf
     (dict(P=128, block_p=128), "P tile"),
     (dict(R=3), "power of two"),
     (dict(S=2040), "multiple of C"),
+    (dict(chunk_size=64), "one ring stage within 101376 bytes"),  # 256 rows: 64 KB of k alone a stage
     (dict(dtypes=(torch.float32, torch.float32, torch.float32)), "bf16 k and states"),
 ])
 def test_probe_refuses_shapes_its_boxes_do_not_cover(change, message):

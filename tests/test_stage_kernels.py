@@ -5,6 +5,7 @@ The composed path is checked against the float64 reference in test_kernels.py; h
 short kernels is checked alone, with shapes that leave partial tiles, so a bug shows where it is.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -16,12 +17,14 @@ import triton.language as tl
 from conftest import seed_for
 import mamba3_mimo.api as api
 from mamba3_mimo.api import bwd_fwd
-from mamba3_mimo.inputs import make_inputs
-from mamba3_mimo.ops import group_sum, production
+from mamba3_mimo.inputs import build_discretization, make_inputs
+from mamba3_mimo.ops import gluon_state_scan, group_sum, production
+from mamba3_mimo.ops.chunk_state import segment_end_states
 from mamba3_mimo.ops.chunk_output import chunk_output
 from mamba3_mimo.ops.chunk_scan import chunk_scan
 from mamba3_mimo.ops.gate_grads import gate_grads, gate_grads_meta
 from mamba3_mimo.ops.group_sum import sum_group_partials
+from mamba3_mimo.ops.span_decays import span_decays
 from mamba3_mimo.ops.state_passing import segment_entry_states
 from mamba3_mimo.ops.token_tables import token_tables
 
@@ -119,6 +122,92 @@ def test_token_tables(request, S, RD, trap_dtype, rotation_dtype, flat):
         torch.testing.assert_close(table.cpu().double(), want, atol=atol, rtol=0)
     assert cos_angles.shape == sin_angles.shape == angles.shape and cos_angles.is_contiguous()
     assert torch.equal(dt_dev.cpu(), dt) and torch.equal(trap_dev.cpu(), trap) and torch.equal(angles_dev.cpu(), angles)
+
+
+@pytest.mark.parametrize("S,C,span", [(64, 8, 2), (72, 8, 4), (50, 16, 2), (256, 16, 2), (40, 8, 8)])
+def test_span_decays_are_those_of_the_spans(request, S, C, span):
+    """da_cs / da_cs_rev of C-token chunks turned into those of spans of ``span`` chunks equal the ones built for
+    chunks of span * C tokens from the per-token decays (a partial last chunk and span, one span past S at 8);
+    the inputs are not modified."""
+    gen = torch.Generator().manual_seed(seed_for(request.node.nodeid))
+    dA = -torch.rand((2, 3, S), generator=gen, dtype=torch.float64)
+    da_cs, da_cs_rev, _ = build_discretization(dA, C)
+    want_cs, want_rev, _ = build_discretization(dA, span * C)
+    given_cs, given_rev = da_cs.float().to(DEVICE), da_cs_rev.float().to(DEVICE)
+    got_cs, got_rev = span_decays(da_cs=given_cs, da_cs_rev=given_rev, chunk_size=C, span_chunks=span)
+    assert got_cs.shape == got_rev.shape == (2, 3, S) and got_cs.dtype == got_rev.dtype == torch.float32
+    # fp32 sums of up to 64 terms of |dA| < 1: a few 2^-24 of |sum| <= 64; a chunk counted in the wrong span or
+    # twice is off by its whole log decay (~C / 2).
+    torch.testing.assert_close(got_cs.cpu().double(), want_cs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got_rev.cpu().double(), want_rev, rtol=0, atol=2e-5)
+    assert torch.equal(given_cs.cpu(), da_cs.float()) and torch.equal(given_rev.cpu(), da_cs_rev.float())
+
+
+def test_span_decays_of_one_chunk_are_the_inputs():
+    da_cs, da_cs_rev = torch.zeros((1, 2, 8)), torch.ones((1, 2, 8))
+    assert span_decays(da_cs=da_cs, da_cs_rev=da_cs_rev, chunk_size=4, span_chunks=1) == (da_cs, da_cs_rev)
+    with pytest.raises(ValueError, match="span_chunks must be >= 1"):
+        span_decays(da_cs=da_cs, da_cs_rev=da_cs_rev, chunk_size=4, span_chunks=0)
+
+
+def _scan_arguments(inputs, *, n_segments, chunks_per_segment, block_p):
+    """The state-scan arguments production_bwd_fwd builds (fp32 tables and products: the interpreter)."""
+    gamma, trap_scale, cos_angles, sin_angles = token_tables(dt=inputs["dt"], trap=inputs["trap"],
+                                                             angles=inputs["angles"])
+    return dict(k=inputs["k"], v=inputs["v"], cos_angles=cos_angles, sin_angles=sin_angles, k_bias=inputs["k_bias"],
+                mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=gamma,
+                trap_scale=trap_scale, chunk_size=inputs["chunk_size"], n_segments=n_segments,
+                chunks_per_segment=chunks_per_segment, block_half=16, block_p=block_p, dot_dtype=tl.float32,
+                dot_precision="ieee", num_warps=4, max_registers=0, prefetch=False, skip_unrotated=False,
+                rotation_math_dtype=tl.float32)
+
+
+@pytest.mark.parametrize("span", [2, 4])
+def test_end_states_over_span_chunks_are_those_over_chunks(span):
+    """The identity the Gluon end-state pass's spans rest on (``production._end_pass_scan``): the segment end-state
+    scan over chunks of span * C tokens on ``span_decays``' tables gives the end states it gives over C-token chunks
+    (here the Triton scan, one chunk a step both ways; 3 segments of 8 chunks, the last one short)."""
+    inputs = make_inputs(B=1, S=160, H=2, G=1, N=32, P=16, R=2, chunk_size=8, dtype=torch.float32, seed=11,
+                         device=DEVICE)
+    scan = _scan_arguments(inputs, n_segments=3, chunks_per_segment=8, block_p=16)
+    want = segment_end_states(**scan)
+    span_cs, span_rev = span_decays(da_cs=scan["da_cs"], da_cs_rev=scan["da_cs_rev"], chunk_size=8, span_chunks=span)
+    got = segment_end_states(**dict(scan, chunk_size=8 * span, chunks_per_segment=8 // span, da_cs=span_cs,
+                                    da_cs_rev=span_rev))
+    assert want.abs()[:, :, :2].amax() > 0.1  # the two end states that are read are not trivial
+    torch.testing.assert_close(got[:, :, :2], want[:, :, :2], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case,span,covered", [
+    ("N128_P64_R4_C16", 2, True), ("N64_P128_R4_C16", 2, True), ("N128_P64_R8_C8", 2, True),
+    ("N128_P32_R4_C16", 2, True), ("N64_P64_R4_C16", 4, False), ("N128_P64_R2_C32", 2, False)])
+def test_end_pass_scan_takes_spans_where_the_kernel_covers_them(case, span, covered):
+    """``_end_pass_scan``: with ``end_span_chunks`` the Gluon end-state pass runs at chunks of span * C tokens on the
+    spans' decay tables, with segments of as many fewer steps, where one ring stage of that chunk fits 99 KB
+    without state stores (R2_C32's 64-token span and N64_P64's four 16-token chunks do not: 106 and 115 KB);
+    else its arguments are the caller's.  Host-side: the coverage rule and the tables (in the interpreter here)."""
+    shape = {name: int(part[1:]) for name, part in zip(("N", "P", "R", "chunk_size"), case.split("_"))}
+    C, S = shape["chunk_size"], 4 * span * shape["chunk_size"]
+    inputs = make_inputs(B=1, S=S, H=2, G=1, N=shape["N"], P=shape["P"], R=shape["R"], chunk_size=C,
+                         dtype=torch.bfloat16, seed=2, device=DEVICE)
+    scan = _scan_arguments(inputs, n_segments=2, chunks_per_segment=2 * span, block_p=min(shape["P"], 64))
+    scan.update(cos_angles=scan["cos_angles"].half(), sin_angles=scan["sin_angles"].half())
+    config = production.ScanConfig(block_p=64, n_segments=2, block_half=64, out_block_p=64, end_span_chunks=span)
+    got = production._end_pass_scan(config, gluon_state_scan, scan=scan)
+    if not covered:
+        assert got is scan
+        return
+    want_cs, want_rev = span_decays(da_cs=scan["da_cs"], da_cs_rev=scan["da_cs_rev"], chunk_size=C, span_chunks=span)
+    assert got["chunk_size"] == span * C and got["chunks_per_segment"] == 2 and got["n_segments"] == 2
+    assert torch.equal(got["da_cs"], want_cs) and torch.equal(got["da_cs_rev"], want_rev)
+    assert {name: got[name] for name in got if name not in ("chunk_size", "chunks_per_segment", "da_cs",
+                                                             "da_cs_rev")} == {
+        name: scan[name] for name in scan if name not in ("chunk_size", "chunks_per_segment", "da_cs", "da_cs_rev")}
+    # One span: the caller's arguments; a segment that is not whole spans: the same.
+    assert production._end_pass_scan(dataclasses.replace(config, end_span_chunks=1), gluon_state_scan,
+                                     scan=scan) is scan
+    assert production._end_pass_scan(config, gluon_state_scan, scan=dict(scan, chunks_per_segment=2 * span + 1))[
+        "chunk_size"] == C
 
 
 @pytest.mark.parametrize("dtype,want", [(torch.bfloat16, torch.float16), (torch.float16, torch.float32),

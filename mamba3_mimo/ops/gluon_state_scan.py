@@ -483,11 +483,15 @@ def _gluon_scan_kernel(k_desc, cos_desc, sin_desc, v_desc, states_desc, da_rev_p
     ], [1], [PRODUCER_REGISTERS])
 
 
-def shape_problems(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes):
-    """What keeps the kernel's boxes from covering this problem: a list of reasons, empty where they do.
+def shape_problems(*, B, S, R, G, N, H, P, RD, chunk_size, block_p, dtypes, store_states=True):
+    """What keeps the kernel's boxes from covering this problem: a list of reasons, empty where they do, one ring
+    stage within the 99 KB bound among them (``store_states``: the role stores states, whose buffers count).
     ``dtypes``: (k, the rotation tables, states)."""
     C = chunk_size
     problems = []
+    if shared_bytes(C=C, R=R, block_p=block_p, num_buffers=1, N=N, store_states=store_states) + 768 > SMEM_LIMIT:
+        problems.append(f"one ring stage within {SMEM_LIMIT} bytes of shared memory, got C={C}, R={R}, N={N}, "
+                        f"block_p={block_p}")
     if N % (2 * BLOCK_HALF) and N != STATE_ROWS:
         # wgmma's accumulators are 64 rows: two 64-row halves, or at N = 64 both 32-row halves stacked.
         problems.append(f"N = 64 or a multiple of 128, got N={N}")
@@ -589,9 +593,9 @@ def _launch(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     H, P = v.shape[2], v.shape[3]
     trig = rotation_source("gluon_state_scan", k, cos_angles, sin_angles, angles, table_dtype)
     RD = trig["RD"]
-    check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
-                dtypes=(k.dtype, trig["table_dtype"], states.dtype))
     store_states, fold_earlier, store_end = ROLES[role]
+    check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=chunk_size, block_p=block_p,
+                dtypes=(k.dtype, trig["table_dtype"], states.dtype), store_states=store_states)
     num_buffers, operand_buffers, store_buffers = buffer_plan(
         C=chunk_size, R=R, block_p=block_p, N=N, store_states=store_states, num_buffers=num_buffers,
         operand_buffers=operand_buffers, store_buffers=store_buffers)

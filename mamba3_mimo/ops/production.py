@@ -40,8 +40,9 @@ from .chunk_state import chunk_local_states, chunk_states, segment_end_states
 from .gate_grads import gate_grads, gate_grads_meta
 from .group_sum import sum_group_partials
 from .host_utils import (cdiv, compiled_for_gpu, compiled_for_hopper, dependent_launch_supported, next_power_of_2,
-                         precise_exp, rotation_math_dtype)
+                         precise_exp, rotation_math_dtype, rotation_source)
 from .launch import dependent_launches, forbid_replay
+from .span_decays import span_decays
 from .state_passing import segment_entry_states
 from .token_tables import token_tables
 
@@ -145,7 +146,8 @@ class ScanConfig:
     ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
     one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
-    does, so the scan that writes it steps one chunk at a time);
+    does, so the scan that writes it steps one chunk at a time).  The Gluon end-state pass takes a span
+    as one chunk of end_span_chunks * C tokens, on the spans' own decay tables (``span_decays``);
     local_states: one scan pass writes segment-local states and end states, a fold gives each
     segment its entry state and the output stage adds it (``chunk_local_states``,
     ``segment_entry_states``), instead of an end-state pass and a second scan that folds first
@@ -728,6 +730,29 @@ def _gluon_scan(config, *, scan, states):
     return gluon_state_scan if gluon_state_scan.unsupported(**scan, states=states) is None else None
 
 
+def _end_pass_scan(config, gluon, *, scan):
+    """The Gluon end-state pass's scan arguments: spans of ``end_span_chunks`` chunks as chunks of their own, on the
+    spans' decay tables, where that kernel covers the longer chunk (within 99 KB without state stores; the segments
+    hold whole spans, as the caller sized them); else ``scan`` itself.  The end states are the same either way."""
+    span = config.end_span_chunks
+    C, k, v = scan["chunk_size"], scan["k"], scan["v"]
+    if span == 1 or scan["n_segments"] == 1 or scan["chunks_per_segment"] % span:
+        return scan
+    B, S, R, G, N = k.shape
+    trig = rotation_source("gluon_state_scan", k, scan.get("cos_angles"), scan.get("sin_angles"), scan.get("angles"),
+                           scan.get("table_dtype"))
+    # The pass stores no states: its stand-in for them is bf16.
+    problems = gluon.shape_problems(B=B, S=S, R=R, G=G, N=N, H=v.shape[2], P=v.shape[3], RD=trig["RD"],
+                                    chunk_size=span * C, block_p=scan["block_p"], store_states=False,
+                                    dtypes=(k.dtype, trig["table_dtype"], torch.bfloat16))
+    if problems:
+        return scan
+    span_da_cs, span_da_cs_rev = span_decays(da_cs=scan["da_cs"], da_cs_rev=scan["da_cs_rev"], chunk_size=C,
+                                             span_chunks=span)
+    return dict(scan, chunk_size=span * C, chunks_per_segment=scan["chunks_per_segment"] // span, da_cs=span_da_cs,
+                da_cs_rev=span_da_cs_rev)
+
+
 def _scan_outputs(config, *, gluon, scan, q, states, qk_dot, half_rotation, gate):
     """(the ``gluon_scan_outputs`` module, its P tile, whether it applies the gate, whether it adds the D skip to
     raw_y) where ``config`` asks for it (``scan_outputs`` with the stored raw_y and the Gluon scan) and it covers this
@@ -828,7 +853,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
         elif gluon and not config.local_states and config.gluon_segments:
             wanted_segments = config.gluon_segments
         # Segments hold whole steps of both scans.
-        span = math.lcm(config.state_span_chunks, 1 if config.local_states else config.end_span_chunks)
+        span = math.lcm(config.state_span_chunks, 1 if config.local_states and not fused else config.end_span_chunks)
         chunks_per_segment = cdiv(cdiv(nch, wanted_segments), span) * span
         n_segments = cdiv(nch, chunks_per_segment)
         scan.update(n_segments=n_segments, chunks_per_segment=chunks_per_segment)
@@ -847,9 +872,10 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             # The storing pass runs with the outputs below.  The end-state pass over the fused kernel's P tile (at 32
             # twice the programs of a 64-wide one, for a pass that has one segment fewer than the storing pass), at
             # most the Gluon scan's widest (a 128-wide fused tile at N = 64).
-            seg_end = gluon.gluon_segment_end_states(**dict(scan, block_p=min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P)))
+            seg_end = gluon.gluon_segment_end_states(**_end_pass_scan(
+                config, gluon, scan=dict(scan, block_p=min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P))))
         elif gluon:
-            seg_end = gluon.gluon_segment_end_states(**scan)
+            seg_end = gluon.gluon_segment_end_states(**_end_pass_scan(config, gluon, scan=scan))
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
         else:
             # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
