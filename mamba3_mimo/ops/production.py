@@ -107,6 +107,9 @@ SCAN_OUTPUTS_N64_P = (64, 128)
 SCAN_OUTPUTS_N64_WITHOUT_Z_P = (64,)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
+# Chunks the Gluon end-state pass takes a step where the fused storing scan runs (``end_span_chunks``, on the spans'
+# decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not fit): section 56.
+SCAN_OUTPUTS_END_SPAN = 1
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -604,6 +607,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 179.6 (106.6 -> 95.1); at 8-token chunks it ties or loses (R8_C8 576.4 -> 578.6, 367.1 -> 369.6), and at N = 64
     # (c99d456, graph us): N64_P64 238.6 -> 243.7, N64_P128 444.4 -> 447.4, N64_P64 without Z 191.8 -> 196.2.
     scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16 and N == 128)
+    if scan_outputs:
+        span_chunks = SCAN_OUTPUTS_END_SPAN
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
