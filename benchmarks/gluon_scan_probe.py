@@ -74,7 +74,7 @@ def compile_for_sm90(case, *, role="local", block_p=None, num_buffers=None, chun
     # Descriptors only need real strides and dtypes here: tiny CPU tensors viewed with the official shapes.
     base = {dtype: torch.empty(16, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=N // 4, chunk_size=C, block_p=block_p,
-                dtypes=(torch.bfloat16, torch.float16, torch.bfloat16))
+                dtypes=(torch.bfloat16, torch.float16, torch.bfloat16), store_states=ROLES[role][0])
     fake = dict(k=_Shaped(base[torch.bfloat16], (B, S, R, G, N)), v=_Shaped(base[torch.bfloat16], (B, S, H, P)),
                 cos_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
                 sin_angles=_Shaped(base[torch.float16], (B, S, H, N // 4)),
@@ -168,7 +168,7 @@ def emulate(*, role, k, v, cos_angles, sin_angles, k_bias, mimo_v, da_cs, da_cs_
     if states is None:
         states = torch.empty((1, 1, 1, STATE_ROWS, block_p), dtype=torch.bfloat16)
     check_shape(B=B, S=S, R=R, G=G, N=N, H=H, P=P, RD=RD, chunk_size=C, block_p=block_p,
-                dtypes=(k.dtype, cos_angles.dtype, states.dtype))
+                dtypes=(k.dtype, cos_angles.dtype, states.dtype), store_states=store_states)
     found = descriptors(k=k, v=v, cos_angles=cos_angles, sin_angles=sin_angles, states=states, chunk_size=C,
                         block_p=block_p)
     states_rows = torch.as_strided(states, found["states_desc"].shape, found["states_desc"].strides)
