@@ -109,7 +109,7 @@ SCAN_OUTPUTS_N64_WITHOUT_Z_P = (64,)
 GLUON_SCAN_MAX_BLOCK_P = 64
 # Chunks the Gluon end-state pass takes a step where the fused storing scan runs (``end_span_chunks``, on the spans'
 # decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not fit): section 56.
-SCAN_OUTPUTS_END_SPAN = 1
+SCAN_OUTPUTS_END_SPAN = 2
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
