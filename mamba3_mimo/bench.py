@@ -268,7 +268,9 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
                 candidate = dataclasses.replace(base, **overrides)
             except ValueError:
                 continue
-            if candidate.local_states:  # the one-pass schedule has no end-state scan: its span and loads are moot
+            # The one-pass schedule has no end-state scan: its span and loads are moot (the fused storing scan runs
+            # one whatever local_states says).
+            if candidate.local_states and not candidate.scan_outputs:
                 candidate = dataclasses.replace(candidate, end_span_chunks=1, end_scan_prefetch=False)
             if not candidate.split_gate:  # the fused output stage has no gate_grads pass
                 candidate = dataclasses.replace(candidate, gate_tokens=ScanConfig.gate_tokens, gate_in_scan=False)

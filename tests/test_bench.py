@@ -70,13 +70,18 @@ def test_sweep_spans_stay_within_128_rows():
 
 
 def test_sweep_drops_end_spans_of_the_one_pass_schedule():
-    """With local states the end-state span does nothing, so the sweep does not time it twice."""
-    shape = dict(SHAPE, N=64, P=64, R=4, chunk_size=16)
+    """With local states the end-state span does nothing, so the sweep does not time it twice; with the fused
+    storing scan (which runs an end-state pass whatever local_states says) it keeps both spans."""
+    shape = dict(SHAPE, N=32, P=64, R=4, chunk_size=16)
     chosen, configs = sweep_configs(**shape, knob_names=["local_states+end_span_chunks"])
-    assert chosen.local_states
+    assert chosen.local_states and not chosen.scan_outputs
     local = [c for c in configs if c.local_states]
     assert [c.end_span_chunks for c in local] == [1]
     assert {c.end_span_chunks for c in configs if not c.local_states} == {1, 2}  # spans of <= 128 rows
+    fused_shape = dict(SHAPE, N=64, P=64, R=4, chunk_size=16)
+    chosen, configs = sweep_configs(**fused_shape, knob_names=["end_span_chunks"])
+    assert chosen.local_states and chosen.scan_outputs
+    assert {c.end_span_chunks for c in configs} == {1, 2}
 
 
 def test_sweep_of_the_output_stage_starts_from_the_dispatchers_config_for_it():
