@@ -150,8 +150,9 @@ class ScanConfig:
     ranks_per_step: query ranks the output stage takes per serial step (1: one rank at a time);
     out_span_chunks / end_span_chunks: chunks the output stage / the segment end-state scan take as
     one unit (the outputs and the end states do not depend on where chunks are cut; ``states``
-    does, so the scan that writes it steps one chunk at a time).  The Gluon end-state pass takes a span
-    as one chunk of end_span_chunks * C tokens, on the spans' own decay tables (``span_decays``);
+    does, so the scan that writes it steps one chunk at a time).  The Gluon end-state pass before the fused
+    storing scan (``scan_outputs``) takes a span as one chunk of end_span_chunks * C tokens, on the spans' own
+    decay tables (``span_decays``; the other Gluon passes step one chunk at a time);
     local_states: one scan pass writes segment-local states and end states, a fold gives each
     segment its entry state and the output stage adds it (``chunk_local_states``,
     ``segment_entry_states``), instead of an end-state pass and a second scan that folds first
@@ -881,7 +882,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             seg_end = gluon.gluon_segment_end_states(**_end_pass_scan(
                 config, gluon, scan=dict(scan, block_p=min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P))))
         elif gluon:
-            seg_end = gluon.gluon_segment_end_states(**_end_pass_scan(config, gluon, scan=scan))
+            seg_end = gluon.gluon_segment_end_states(**scan)
             gluon.gluon_chunk_states(**scan, seg_state=seg_end, states=handoff)
         else:
             # Named, so that it lives to the end of the call like every other scratch tensor: no block is handed out
