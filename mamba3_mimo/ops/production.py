@@ -881,7 +881,8 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             # most the Gluon scan's widest (a 128-wide fused tile at N = 64).
             # Named, as seg_end below: the span tables it may allocate live to the end of the call.  Freed at once,
             # their block went to later scratch of another size and the call was no longer replayed (section 56).
-            end_scan = _end_pass_scan(config, gluon, scan=dict(scan, block_p=min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P)))
+            end_tile = min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P)
+            end_scan = _end_pass_scan(config, gluon, scan=dict(scan, block_p=end_tile))
             seg_end = gluon.gluon_segment_end_states(**end_scan)
         elif gluon:
             seg_end = gluon.gluon_segment_end_states(**scan)
