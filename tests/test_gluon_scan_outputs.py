@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_knob_inert, spy_gate_grads
+from conftest import assert_knob_inert, assert_replay_equals_jit, spy_gate_grads, spy_on_replays
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -261,6 +261,40 @@ def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkey
                                      half_rotation=case["half"], ring_weights=case.get("ring", False), gate_form=form,
                                      d_skip=case.get("d_skip", False))
     assert set(tiles) == {case.get("block_p", widest.block_p)}, tiles
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("end_span", [1, 2], ids=["chunks", "spans"])
+def test_scan_outputs_call_replays(monkeypatch, poison_outputs, end_span):
+    """The second call of a signature replays the whole call (no host wrapper runs) into NaN-poisoned outputs,
+    bitwise the same call through Triton's JIT.  With the end pass over spans the span tables are scratch of their
+    own size: freed before the call ends, their block could be handed to other scratch and the call would not
+    replay (the eager regression of section 56)."""
+    replays = spy_on_replays(monkeypatch)
+    calls, _ = _spy(monkeypatch)
+    end_chunks = []
+    end_pass = gluon_state_scan.gluon_segment_end_states
+    monkeypatch.setattr(gluon_state_scan, "gluon_segment_end_states",
+                        lambda **kw: (end_chunks.append(kw["chunk_size"]), end_pass(**kw))[1])
+    case = FUSED_CASES[0]
+    shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
+    config = _config(case, scan_outputs=True, angles_in_kernels=True, scan_half_rotation=True,
+                     out_half_rotation=True, gluon_segments=0, end_span_chunks=end_span)
+
+    def call(seed):
+        inputs = make_inputs(B=2, dtype=torch.bfloat16, device="cuda", seed=seed, dA_scale=0.1, **shape)
+        return inputs, api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
+
+    call(1)
+    recorded = len(calls)
+    assert recorded and "chunk_scan" not in calls, calls
+    assert set(end_chunks) == {end_span * case["chunk_size"]}, end_chunks
+    inputs, replayed = call(2)
+    assert len(replays) == 1 and len(calls) == recorded  # replayed: no wrapper ran
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
+    through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
+    assert len(replays) == 1 and len(calls) > recorded
+    assert_replay_equals_jit(replayed, through_jit)
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")
