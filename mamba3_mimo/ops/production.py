@@ -108,9 +108,9 @@ SCAN_OUTPUTS_N64_WITHOUT_Z_P = (64,)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
 # Chunks the Gluon end-state pass takes a step where the fused storing scan runs (``end_span_chunks``, on the spans'
-# decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not fit): section 56.  On the H100 (acce199)
-# 2 took 1-2% off the graph calls but the eager calls ran 2.2x slower (not replayed; the tables are now kept alive
-# to the call's end, the likely cause): 1 until the eager calls are timed again.
+# decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not fit): section 56.  On the H100
+# (acce199) 2 took 1-2% off the graph calls but the eager calls ran 2.2x slower (not replayed; the tables are now
+# kept alive to the call's end, the likely cause): 1 until the eager calls are timed again.
 SCAN_OUTPUTS_END_SPAN = 1
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
