@@ -143,9 +143,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
              "out_defer_qk_dot", "angles_in_kernels", "scan_outputs", "scan_outputs_gate", "scan_outputs_ring_weights",
-             "block_p", "out_max_registers", "n_segments",
+             "block_p", "out_max_registers", "n_segments", "end_span_chunks",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
-    assert not any(getattr(plain, name) for name in knobs[:-7])
+    assert not any(getattr(plain, name) for name in knobs[:-8])
     # The Gluon scan's P tile at N = 64 is 64 wide (section 47); elsewhere the plain rule's.
     gluon_n64 = parse_case(case)["N"] == 64 and config.local_states
     assert config.block_p == (64 if gluon_n64 else plain.block_p)
@@ -202,6 +202,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.scan_outputs_gate is fused_without_z
     assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16
                                                 and parse_case(case)["N"] == 128)
+    # Its end-state pass over spans of two chunks at N = 64 (section 57); elsewhere the two-pass shapes' own spans.
+    if config.scan_outputs:
+        assert config.end_span_chunks == (2 if parse_case(case)["N"] == 64 else 1)
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

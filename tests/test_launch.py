@@ -277,20 +277,36 @@ def test_call_record_rebuilds_host_tensor_descriptors():
     assert not viewed.replayable
 
 
-@pytest.mark.parametrize("case", ["root_view", "aliased_roots", "overlapping_scratch"])
+@pytest.mark.parametrize("case", ["root_view", "aliased_roots"])
 def test_call_record_refuses_what_it_cannot_replay(case):
     q, out = torch.zeros(64), torch.zeros(32)
     if case == "aliased_roots":  # one tensor passed twice: its launches could not tell the two apart
         assert not launch_module._CallRecord((q, q, out)).replayable
         return
     record = launch_module._CallRecord((q, out))
-    block = torch.zeros(256)
-    if case == "root_view":  # a view of a root is not the root: not described by identity
-        record.add(_FakeCompiled(), (), (1,), 0, (q[8:],))
-    else:  # a storage that overlaps a region seen before without being it would not fit the flat layout
-        record.scratch[(block.untyped_storage().data_ptr() + 4, 16)] = 0
-        record.add(_FakeCompiled(), (), (1,), 0, (block,))
+    assert case == "root_view"  # a view of a root is not the root: not described by identity
+    record.add(_FakeCompiled(), (), (1,), 0, (q[8:],))
     assert not record.replayable
+
+
+def test_call_record_gives_reused_scratch_a_region_of_its_own():
+    """A storage overlapping a region seen before (a block the allocator handed out again, at another size, after
+    its first tensor was freed within the call) gets its own region after the earlier ones; the same block at the
+    same size keeps its region."""
+    q, out = torch.zeros(64), torch.zeros(32)
+    record = launch_module._CallRecord((q, out))
+    block = torch.zeros(256)
+    base = block.untyped_storage().data_ptr()
+    record.scratch[(base + 4, 16)] = 0  # an earlier tensor's region inside this block
+    record.scratch_bytes = record.SCRATCH_ALIGN
+    record.add(_FakeCompiled(), (), (1,), 0, (block[2:],))
+    record.add(_FakeCompiled(), (), (1,), 0, (block,))
+    assert record.replayable
+    assert record.scratch[(base, block.untyped_storage().nbytes())] == record.SCRATCH_ALIGN
+    assert record.scratch_bytes == record.SCRATCH_ALIGN + 1024  # 256 fp32 after the earlier region
+    # Both launches point into the new region: at its start plus the view's byte offset, and at its start.
+    assert [launch[4] for launch in record.launches] == [((0, -1, record.SCRATCH_ALIGN + 8, None),),
+                                                         ((0, -1, record.SCRATCH_ALIGN, None),)]
 
 
 REPLAY_CASES = {

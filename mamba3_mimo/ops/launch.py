@@ -176,11 +176,11 @@ class _CallRecord:
                 self.replayable = False
                 return
             if region not in self.scratch:
-                # A block the allocator handed out again (its first tensor freed within the call) keeps its one
-                # region; any other overlap would not fit the flat layout.
-                if any(base < region[0] + region[1] and region[0] < base + size for base, size in self.scratch):
-                    self.replayable = False
-                    return
+                # Live storages never overlap, so a region that overlaps one seen before is memory the allocator
+                # handed out again after its first tensor was freed within the call: a later lifetime, given a
+                # region of its own in the flat buffer (no data passes between them).  The same block handed out
+                # at the same size keeps its one region.  Refusing such calls left them unreplayed whenever the
+                # allocator reused a freed block (section 57).
                 self.scratch[region] = self.scratch_bytes
                 self.scratch_bytes += -(-region[1] // self.SCRATCH_ALIGN) * self.SCRATCH_ALIGN
             pointers.append((pos, -1, self.scratch[region] + arg.data_ptr() - region[0], template))

@@ -107,11 +107,13 @@ SCAN_OUTPUTS_N64_P = (64, 128)
 SCAN_OUTPUTS_N64_WITHOUT_Z_P = (64,)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
-# Chunks the Gluon end-state pass takes a step where the fused storing scan runs (``end_span_chunks``, on the spans'
-# decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not fit): section 56.  On the H100
-# (acce199) 2 took 1-2% off the graph calls but the eager calls ran 2.2x slower (not replayed; the tables are now
-# kept alive to the call's end, the likely cause): 1 until the eager calls are timed again.
-SCAN_OUTPUTS_END_SPAN = 1
+# Chunks the Gluon end-state pass takes a step where the fused storing scan runs at N in SCAN_OUTPUTS_END_SPAN_N
+# (``end_span_chunks``, on the spans' decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not
+# fit): section 56.  H100, b23e265 (2026-12-07_h100_sweep_b23e265_end_span.json, graph us, span 1 -> 2): N64_P128
+# 426.5 -> 417.8, N64_P64 243.6 -> 241.9, where two ring stages of the longer chunk still fit; at N = 128 (one stage
+# left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
+SCAN_OUTPUTS_END_SPAN = 2
+SCAN_OUTPUTS_END_SPAN_N = (64,)
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -611,7 +613,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # (c99d456, graph us): N64_P64 238.6 -> 243.7, N64_P128 444.4 -> 447.4, N64_P64 without Z 191.8 -> 196.2.
     scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16 and N == 128)
     if scan_outputs:
-        span_chunks = SCAN_OUTPUTS_END_SPAN
+        span_chunks = SCAN_OUTPUTS_END_SPAN if N in SCAN_OUTPUTS_END_SPAN_N else 1
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
