@@ -202,9 +202,9 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.scan_outputs_gate is fused_without_z
     assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16
                                                 and parse_case(case)["N"] == 128)
-    # Its end-state pass over spans of two chunks at N = 64 (section 57); elsewhere the two-pass shapes' own spans.
+    # Its end-state pass over spans of two chunks at N64_P128 (section 57); elsewhere the two-pass shapes' own spans.
     if config.scan_outputs:
-        assert config.end_span_chunks == (2 if parse_case(case)["N"] == 64 else 1)
+        assert config.end_span_chunks == (2 if case == "N64_P128_R4_C16" else 1)
     # Programmatic dependent launch waits for a GPU sweep too (section 40).
     assert config.pdl is plain.pdl is False
     assert config.local_states is (case not in ("N256_P64_R4_C8", "N128_P128_R4_C8"))

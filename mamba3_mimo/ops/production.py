@@ -107,13 +107,15 @@ SCAN_OUTPUTS_N64_P = (64, 128)
 SCAN_OUTPUTS_N64_WITHOUT_Z_P = (64,)
 # The Gluon state scan's widest P tile (a 128-byte bf16 box row).
 GLUON_SCAN_MAX_BLOCK_P = 64
-# Chunks the Gluon end-state pass takes a step where the fused storing scan runs at N in SCAN_OUTPUTS_END_SPAN_N
-# (``end_span_chunks``, on the spans' decay tables; ``_end_pass_scan`` keeps one chunk where the longer one does not
-# fit): section 56.  H100, b23e265 (2026-12-07_h100_sweep_b23e265_end_span.json, graph us, span 1 -> 2): N64_P128
-# 426.5 -> 417.8, N64_P64 243.6 -> 241.9, where two ring stages of the longer chunk still fit; at N = 128 (one stage
-# left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
+# Chunks the Gluon end-state pass takes a step where the fused storing scan runs at an (N, P) of
+# SCAN_OUTPUTS_END_SPAN_SHAPES (``end_span_chunks``, on the spans' decay tables; ``_end_pass_scan`` keeps one chunk
+# where the longer one does not fit): sections 56-57.  H100, b23e265 (2026-12-07_h100_sweep_b23e265_end_span.json,
+# graph us, span 1 -> 2): N64_P128 426.5 -> 417.8 (official grid at db62bd5: 418.4, eager 424.8 against 97dfb00's
+# 424.9 / 430.3); N64_P64 243.6 -> 241.9 with Z but its eager calls 2-3% slower, without Z 192.5 -> 191.7 graph and
+# its eager calls not replayed (194.4 -> 240.5, unexplained, section 57); at N = 128 (one ring stage of the longer
+# chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
 SCAN_OUTPUTS_END_SPAN = 2
-SCAN_OUTPUTS_END_SPAN_N = (64,)
+SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -613,7 +615,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # (c99d456, graph us): N64_P64 238.6 -> 243.7, N64_P128 444.4 -> 447.4, N64_P64 without Z 191.8 -> 196.2.
     scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16 and N == 128)
     if scan_outputs:
-        span_chunks = SCAN_OUTPUTS_END_SPAN if N in SCAN_OUTPUTS_END_SPAN_N else 1
+        span_chunks = SCAN_OUTPUTS_END_SPAN if (N, P) in SCAN_OUTPUTS_END_SPAN_SHAPES else 1
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
                       chunks_per_program=chunks_per_program, out_num_warps=out_num_warps,
                       ranks_per_step=ranks_per_step, out_span_chunks=out_span_chunks, end_span_chunks=span_chunks,
