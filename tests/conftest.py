@@ -86,6 +86,19 @@ def assert_replay_equals_jit(replayed, through_jit):
         assert a is None or (not a.isnan().any() and torch.equal(a, b))
 
 
+def assert_next_call_replays(monkeypatch, call, replays, *, seed, config, output_dtype, calls=None):
+    """After ``call(seed)`` (-> inputs, outputs) recorded its first call: ``call(seed)`` now is replayed whole (one
+    replay in ``replays``, from ``spy_on_replays``; no wrapper runs, where ``calls`` counts a spied wrapper's runs)
+    into NaN-poisoned outputs, bitwise equal to the same call launched through Triton's JIT (whose wrappers run)."""
+    recorded = None if calls is None else len(calls)
+    inputs, replayed = call(seed)
+    assert len(replays) == 1 and (calls is None or len(calls) == recorded)  # replayed: no wrapper ran
+    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
+    through_jit = api.bwd_fwd(**inputs, output_dtype=output_dtype, config=config)
+    assert len(replays) == 1 and (calls is None or len(calls) > recorded)
+    assert_replay_equals_jit(replayed, through_jit)
+
+
 def seed_for(*parts):
     """A deterministic seed that differs between tests (and between calls of one test)."""
     return zlib.crc32(repr(parts).encode())

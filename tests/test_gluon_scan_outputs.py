@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_knob_inert, assert_replay_equals_jit, spy_gate_grads, spy_on_replays
+from conftest import assert_knob_inert, assert_next_call_replays, spy_gate_grads, spy_on_replays
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -286,15 +286,10 @@ def test_scan_outputs_call_replays(monkeypatch, poison_outputs, end_span):
         return inputs, api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
 
     call(1)
-    recorded = len(calls)
-    assert recorded and "chunk_scan" not in calls, calls
+    assert calls and "chunk_scan" not in calls, calls
     assert set(end_chunks) == {end_span * case["chunk_size"]}, end_chunks
-    inputs, replayed = call(2)
-    assert len(replays) == 1 and len(calls) == recorded  # replayed: no wrapper ran
-    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
-    through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
-    assert len(replays) == 1 and len(calls) > recorded
-    assert_replay_equals_jit(replayed, through_jit)
+    assert_next_call_replays(monkeypatch, call, replays, seed=2, config=config, output_dtype=torch.bfloat16,
+                             calls=calls)
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_knob_inert, assert_replay_equals_jit, spy_on_replays
+from conftest import assert_knob_inert, assert_next_call_replays, spy_on_replays
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -330,14 +330,9 @@ def test_production_call_with_gluon_scan_replays(monkeypatch, poison_outputs, ca
         return inputs, api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
 
     call(1)
-    recorded = len(calls)
-    assert recorded, "the Gluon scan did not run"
-    inputs, replayed = call(2)
-    assert len(replays) == 1 and len(calls) == recorded  # replayed: no wrapper ran
-    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
-    through_jit = api.bwd_fwd(**inputs, output_dtype=torch.bfloat16, config=config)
-    assert len(replays) == 1 and len(calls) > recorded
-    assert_replay_equals_jit(replayed, through_jit)
+    assert calls, "the Gluon scan did not run"
+    assert_next_call_replays(monkeypatch, call, replays, seed=2, config=config, output_dtype=torch.bfloat16,
+                             calls=calls)
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma / TMA kernel runs on Hopper GPUs only")

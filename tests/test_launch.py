@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_replay_equals_jit, requires_cuda, seed_for, spy_on_replays
+from conftest import assert_next_call_replays, requires_cuda, seed_for, spy_on_replays
 
 import mamba3_mimo.ops.launch as launch_module
 from mamba3_mimo.ops.production import ScanConfig
@@ -346,12 +346,7 @@ def test_call_replay_matches_the_jit(name, monkeypatch, poison_outputs):
         return inputs, bwd_fwd(**inputs, output_dtype=torch.float32, config=config)
 
     call(0)
-    inputs, replayed = call(1)
-    assert len(replays) == 1
-    monkeypatch.setenv("MAMBA3_MIMO_JIT_LAUNCH", "1")
-    through_jit = bwd_fwd(**inputs, output_dtype=torch.float32, config=config)
-    assert len(replays) == 1
-    assert_replay_equals_jit(replayed, through_jit)
+    assert_next_call_replays(monkeypatch, call, replays, seed=1, config=config, output_dtype=torch.float32)
 
 
 @requires_cuda

@@ -884,8 +884,9 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             # The storing pass runs with the outputs below.  The end-state pass over the fused kernel's P tile (at 32
             # twice the programs of a 64-wide one, for a pass that has one segment fewer than the storing pass), at
             # most the Gluon scan's widest (a 128-wide fused tile at N = 64).
-            # Named, as seg_end below: the span tables it may allocate live to the end of the call.  Freed at once,
-            # their block went to later scratch of another size and the call was no longer replayed (section 56).
+            # Named, as seg_end below: the span tables it may allocate live to the end of the call, so their block is
+            # not handed out again within it (the call record would give the reuse a region of its own: a larger
+            # replay scratch; launch.py, section 57).
             end_tile = min(fused_block_p, GLUON_SCAN_MAX_BLOCK_P)
             end_scan = _end_pass_scan(config, gluon, scan=dict(scan, block_p=end_tile))
             seg_end = gluon.gluon_segment_end_states(**end_scan)
