@@ -1,6 +1,6 @@
 """Which official-size calls are replayed whole (ops/launch.py), and where a recording gives up, why.
 
-usage: python benchmarks/replay_check.py [--no-z] [CASE ...]      (GPU; default: the official grid)
+usage: python benchmarks/replay_check.py [--no-z] [--span-shapes 64x64,128x32] [CASE ...]      (GPU; default: the official grid)
 
 For each case it makes three dispatcher calls on fresh inputs and prints whether the second and third were
 replayed (no host wrapper ran).  Where the first call's recording turned unreplayable, it names the launch (kernel
@@ -70,7 +70,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", default=list(OFFICIAL_CASES))
     parser.add_argument("--no-z", action="store_true")
+    parser.add_argument("--span-shapes", default=None, metavar="NxP,...",
+                        help="the (N, P) pairs whose fused pass's end pass takes spans (default: the dispatcher's)")
     args = parser.parse_args()
+    if args.span_shapes is not None:
+        from mamba3_mimo.ops import production
+
+        production.SCAN_OUTPUTS_END_SPAN_SHAPES = tuple(
+            tuple(int(size) for size in pair.split("x")) for pair in args.span_shapes.split(",") if pair)
     os.environ.pop("MAMBA3_MIMO_CHECK_PLAN", None)  # the plan check runs every call's wrappers: no replay
     for case in args.cases:
         replayed, causes = check(case, not args.no_z)
