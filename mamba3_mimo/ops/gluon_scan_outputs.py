@@ -267,26 +267,41 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         gate_p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, rows_layout))
         gate_offs = gate_t[:, None] * (H * P) + gate_p[None, :]
         act_first = (b.to(gl.int64) * S * H + h) * P + p0  # [B, S, H, P] activations at token 0, column p0
+    # The per-token weights whose first use is an exp early in the step are loaded a step ahead: asked for at the
+    # top of their own step, the exp waited out their L2 latency (~15% of the step's stall samples under Nsight
+    # Compute, docs/optimization.md section 58).  From the ring (RING_WEIGHTS) da_rev and trap_scale need none.
+    ahead = bh * S + c_first * C
+    log_decay = gl.load(da_cs_ptr + ahead + C - 1)
+    y_log_decay = gl.load(da_cs_ptr + ahead + y_row % C)
+    if not RING_WEIGHTS:
+        da_rev = gl.load(da_rev_ptr + ahead + token)
+        trap_scale = gl.load(trap_scale_ptr + ahead + token)
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         t0 = (c_first + i) * C
         disc = bh * S + t0
-        # The chunk's per-token weights: a few floats from L2, asked for before the wait on its tiles (the first two
-        # from the stage with RING_WEIGHTS; the rest are used after the step's first products).
+        decay = gl.exp(log_decay)
+        y_decay = gl.exp(y_log_decay)
         if not RING_WEIGHTS:
-            da_rev = gl.load(da_rev_ptr + disc + token)
-            trap_scale = gl.load(trap_scale_ptr + disc + token)
-        decay = gl.exp(gl.load(da_cs_ptr + disc + C - 1))
+            psiv_weight = gl.exp(da_rev) * trap_scale
+        # The next step's (this one's again on the last step, where no next chunk is in range).
+        ahead = bh * S + (c_first + gl.minimum(i + 1, n_steps - 1)) * C
+        log_decay = gl.load(da_cs_ptr + ahead + C - 1)
+        y_log_decay = gl.load(da_cs_ptr + ahead + y_row % C)
+        if not RING_WEIGHTS:
+            da_rev = gl.load(da_rev_ptr + ahead + token)
+            trap_scale = gl.load(trap_scale_ptr + ahead + token)
+        # The rest of the chunk's weights are first used after the step's first products: asked for here, before
+        # the wait on its tiles.
         da_row = gl.load(da_cs_ptr + disc + score_row % C)
         da_col = gl.load(da_cs_ptr + disc + score_col % C)
         gamma_row = gl.load(gamma_ptr + disc + score_row % C)
         ts_col = gl.load(trap_scale_ptr + disc + score_col % C)
-        y_decay = gl.exp(gl.load(da_cs_ptr + disc + y_row % C))
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         if RING_WEIGHTS:
-            da_rev = weight_bufs.index(2 * stage).load(token_layout)
-            trap_scale = weight_bufs.index(2 * stage + 1).load(token_layout)
+            psiv_weight = (gl.exp(weight_bufs.index(2 * stage).load(token_layout))
+                           * weight_bufs.index(2 * stage + 1).load(token_layout))
         if TABLE_DTYPE is None:
             cos = gl.where(rotated, cos_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 1.0)
             sin = gl.where(rotated, sin_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 0.0)
@@ -295,7 +310,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             cos = gl.where(rotated, cos.to(ROTATION_DTYPE), 1.0)
             sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
         v_rows = v_bufs.index(stage).load(p_layout).to(gl.float32)
-        v_weighted = v_rows * (gl.exp(da_rev) * trap_scale)[:, None]
+        v_weighted = v_rows * psiv_weight[:, None]
         k_lo_rows = k_lo_bufs.index(stage).reshape([_ROWS, HALF])
         k_hi_rows = k_hi_bufs.index(stage).reshape([_ROWS, HALF])
         if Q_IN_PLACE:
