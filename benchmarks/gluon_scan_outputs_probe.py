@@ -32,11 +32,11 @@ CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C3
 
 
 def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
-                     block_p=None, ring_weights=False, gate=None, d_skip=False):
+                     block_p=None, ring_weights=False, gate=None, d_skip=False, weights_ahead=False):
     """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed, at ``plan``'s P
     tile (``block_p``: that one), with the per-token weights through the ring where ``ring_weights``, and with the
     gate in the pass where ``gate`` is given (``dict(has_z=..., has_d=...)``; bf16 activations and dz), or with the D
-    skip added to raw_y where ``d_skip``."""
+    skip added to raw_y where ``d_skip``, with the log decays loaded a step ahead where ``weights_ahead``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -78,7 +78,8 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
                      HALF_ROTATION=half_rotation, SCALED_RAW_Y=scaled_raw_y,
                      TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None,
                      Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer, RING_WEIGHTS=ring_weights,
-                     GATE=bool(gate), HAS_Z=bool(gate and gate["has_z"]), HAS_D=bool(gate and gate["has_d"]) or d_skip)
+                     GATE=bool(gate), HAS_Z=bool(gate and gate["has_z"]), HAS_D=bool(gate and gate["has_d"]) or d_skip,
+                     WEIGHTS_AHEAD=weights_ahead)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _scan_outputs_kernel.arg_names}
     source = GluonASTSource(_scan_outputs_kernel, signature, constants)
@@ -106,21 +107,27 @@ def main(argv=None):
         # with the per-token weights through the ring.
         tiles = [width for width in (32, 64, 128) if P % width == 0 and (width < 128 or N == 64)]
         widest = plan(C=shape["chunk_size"], R=shape["R"], P=P, half_rotation=True, N=N).block_p
-        variants = [(block_p, half_rotation, False, None, False) for block_p in tiles
-                    for half_rotation in (False, True)] + [(widest, True, True, None, False)]
+        variants = [(block_p, half_rotation, False, None, False, False) for block_p in tiles
+                    for half_rotation in (False, True)] + [(widest, True, True, None, False, False)]
         # The gate in the pass, in the dispatcher's form: with Z and D (the official grid), and without Z.
         gate_tile = min(widest, 64)
-        variants += [(gate_tile, True, False, dict(has_z=has_z, has_d=True), False) for has_z in (True, False)]
+        variants += [(gate_tile, True, False, dict(has_z=has_z, has_d=True), False, False) for has_z in (True, False)]
         # The D skip added to the stored raw_y, in the dispatcher's form.
-        variants += [(widest, True, False, None, True)]
-        for block_p, half_rotation, ring_weights, gate, d_skip in variants:
+        variants += [(widest, True, False, None, True, False)]
+        # The log decays a step ahead where the dispatcher takes them (N = 128, 16-token chunks, the ring weights):
+        # with Z, and with the gate without Z.
+        if N == 128 and shape["chunk_size"] == 16:
+            variants += [(widest, True, True, None, False, True),
+                         (gate_tile, True, True, dict(has_z=False, has_d=True), False, True)]
+        for block_p, half_rotation, ring_weights, gate, d_skip, weights_ahead in variants:
             layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
                           half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
                           gate_form=GateForm(**gate) if gate else None, N=parse_case(case)["N"], d_skip=d_skip)
             kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                                      gate=gate, d_skip=d_skip)
+                                      gate=gate, d_skip=d_skip, weights_ahead=weights_ahead)
             record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, gate=gate,
-                          d_skip=d_skip, **layout._asdict(), **summary(kernel), **global_copies(kernel))
+                          d_skip=d_skip, weights_ahead=weights_ahead, **layout._asdict(), **summary(kernel),
+                          **global_copies(kernel))
             print(record, flush=True)
             records.append(record)
     if args.json:

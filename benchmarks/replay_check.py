@@ -1,6 +1,7 @@
 """Which official-size calls are replayed whole (ops/launch.py), and where a recording gives up, why.
 
-usage: python benchmarks/replay_check.py [--no-z] [--span-shapes 64x64,128x32] [CASE ...]      (GPU; default: the official grid)
+usage: python benchmarks/replay_check.py [--no-z] [--span-shapes 64x64,128x32] [CASE ...]
+       (GPU; default: the official grid and the dispatcher's spans)
 
 For each case it makes three dispatcher calls on fresh inputs and prints whether the second and third were
 replayed (no host wrapper ran).  Where the first call's recording turned unreplayable, it names the launch (kernel

@@ -128,6 +128,13 @@ def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r
 
 
 @gluon.jit
+def _decay_logs(da_cs_ptr, at, y_row, C: gl.constexpr):
+    """The log decays of the chunk at ``at`` of the [B * H, S] table: over the whole chunk (its last cumsum) and to
+    each raw_y row's token (``y_row``: rows (r, t), rank-major)."""
+    return gl.load(da_cs_ptr + at + C - 1), gl.load(da_cs_ptr + at + y_row % C)
+
+
+@gluon.jit
 def _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C: gl.constexpr, layout: gl.constexpr):
     """Rank ``r``'s rows of psiv, weighted (the update's B) and plain (raw_y's B), as bf16 operand rows."""
     psi = psi_smem.index(r).load(gl.SliceLayout(0, layout))[None, :]
@@ -225,7 +232,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
               BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
               TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, Q_IN_PLACE: gl.constexpr,
               WEIGHED_BUFFER: gl.constexpr, RING_WEIGHTS: gl.constexpr, GATE: gl.constexpr, HAS_Z: gl.constexpr,
-              HAS_D: gl.constexpr, num_warps: gl.constexpr):
+              HAS_D: gl.constexpr, WEIGHTS_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     # N = 64: the state is one [64, P tile] accumulator and q~ / k~ one [rows, 64] operand each ([lo | hi]), so a
     # chunk takes three wgmma where N = 128 takes six, plus raw_y's.
@@ -267,41 +274,49 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         gate_p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, rows_layout))
         gate_offs = gate_t[:, None] * (H * P) + gate_p[None, :]
         act_first = (b.to(gl.int64) * S * H + h) * P + p0  # [B, S, H, P] activations at token 0, column p0
-    # The per-token weights whose first use is an exp early in the step are loaded a step ahead: asked for at the
-    # top of their own step, the exp waited out their L2 latency (~15% of the step's stall samples under Nsight
-    # Compute, docs/optimization.md section 58).  From the ring (RING_WEIGHTS) da_rev and trap_scale need none.
-    ahead = bh * S + c_first * C
-    log_decay = gl.load(da_cs_ptr + ahead + C - 1)
-    y_log_decay = gl.load(da_cs_ptr + ahead + y_row % C)
-    if not RING_WEIGHTS:
-        da_rev = gl.load(da_rev_ptr + ahead + token)
-        trap_scale = gl.load(trap_scale_ptr + ahead + token)
+    if WEIGHTS_AHEAD:
+        # The weights whose first use is an exp early in the step, loaded a step ahead: asked for at the top of their
+        # own step, the exp waits out their L2 latency (~15% of the step's stall samples, docs/optimization.md
+        # section 58).  The registers they hold across the step spill at some shapes: the dispatcher says where.
+        ahead = bh * S + c_first * C
+        log_decay, y_log_decay = _decay_logs(da_cs_ptr, ahead, y_row, C)
+        if not RING_WEIGHTS:
+            da_rev = gl.load(da_rev_ptr + ahead + token)
+            trap_scale = gl.load(trap_scale_ptr + ahead + token)
     for i in range(n_steps):
         stage = i % NUM_BUFFERS
         t0 = (c_first + i) * C
         disc = bh * S + t0
-        decay = gl.exp(log_decay)
-        y_decay = gl.exp(y_log_decay)
-        if not RING_WEIGHTS:
-            psiv_weight = gl.exp(da_rev) * trap_scale
-        # The next step's (this one's again on the last step, where no next chunk is in range).
-        ahead = bh * S + (c_first + gl.minimum(i + 1, n_steps - 1)) * C
-        log_decay = gl.load(da_cs_ptr + ahead + C - 1)
-        y_log_decay = gl.load(da_cs_ptr + ahead + y_row % C)
-        if not RING_WEIGHTS:
-            da_rev = gl.load(da_rev_ptr + ahead + token)
-            trap_scale = gl.load(trap_scale_ptr + ahead + token)
-        # The rest of the chunk's weights are first used after the step's first products: asked for here, before
-        # the wait on its tiles.
+        if WEIGHTS_AHEAD:
+            decay = gl.exp(log_decay)
+            y_decay = gl.exp(y_log_decay)
+            if not RING_WEIGHTS:
+                psiv_weight = gl.exp(da_rev) * trap_scale  # before da_rev and trap_scale turn to the next step's
+            # The next step's (this one's again on the last step, where no next chunk is in range).
+            ahead = bh * S + (c_first + gl.minimum(i + 1, n_steps - 1)) * C
+            log_decay, y_log_decay = _decay_logs(da_cs_ptr, ahead, y_row, C)
+            if not RING_WEIGHTS:
+                da_rev = gl.load(da_rev_ptr + ahead + token)
+                trap_scale = gl.load(trap_scale_ptr + ahead + token)
+        else:
+            # The chunk's weights asked for before the wait on its tiles (da_rev and trap_scale from the stage with
+            # RING_WEIGHTS).
+            if not RING_WEIGHTS:
+                da_rev = gl.load(da_rev_ptr + disc + token)
+                trap_scale = gl.load(trap_scale_ptr + disc + token)
+            decay = gl.exp(gl.load(da_cs_ptr + disc + C - 1))
+        # The rest of the chunk's weights are first used after the step's first products.
         da_row = gl.load(da_cs_ptr + disc + score_row % C)
         da_col = gl.load(da_cs_ptr + disc + score_col % C)
         gamma_row = gl.load(gamma_ptr + disc + score_row % C)
         ts_col = gl.load(trap_scale_ptr + disc + score_col % C)
+        if not WEIGHTS_AHEAD:
+            y_decay = gl.exp(gl.load(da_cs_ptr + disc + y_row % C))
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
         if RING_WEIGHTS:
-            psiv_weight = (gl.exp(weight_bufs.index(2 * stage).load(token_layout))
-                           * weight_bufs.index(2 * stage + 1).load(token_layout))
+            da_rev = weight_bufs.index(2 * stage).load(token_layout)
+            trap_scale = weight_bufs.index(2 * stage + 1).load(token_layout)
         if TABLE_DTYPE is None:
             cos = gl.where(rotated, cos_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 1.0)
             sin = gl.where(rotated, sin_bufs.index(stage).load(x_layout).to(ROTATION_DTYPE), 0.0)
@@ -310,7 +325,10 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             cos = gl.where(rotated, cos.to(ROTATION_DTYPE), 1.0)
             sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
         v_rows = v_bufs.index(stage).load(p_layout).to(gl.float32)
-        v_weighted = v_rows * psiv_weight[:, None]
+        if WEIGHTS_AHEAD and not RING_WEIGHTS:
+            v_weighted = v_rows * psiv_weight[:, None]
+        else:
+            v_weighted = v_rows * (gl.exp(da_rev) * trap_scale)[:, None]
         k_lo_rows = k_lo_bufs.index(stage).reshape([_ROWS, HALF])
         k_hi_rows = k_hi_bufs.index(stage).reshape([_ROWS, HALF])
         if Q_IN_PLACE:
@@ -433,7 +451,7 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                          TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True,
                          Q_IN_PLACE: gl.constexpr = False, WEIGHED_BUFFER: gl.constexpr = False,
                          RING_WEIGHTS: gl.constexpr = False, GATE: gl.constexpr = False, HAS_Z: gl.constexpr = False,
-                         HAS_D: gl.constexpr = False):
+                         HAS_D: gl.constexpr = False, WEIGHTS_AHEAD: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one P tile of the whole state, storing the state entering
     each chunk and the chunk's raw_y (and, in P tile 0, qk_dot).  The segment starts from the earlier segments'
     end states folded (``seg_state``, from the end-state pass; unused with one segment).  With Q_IN_PLACE, q has a
@@ -580,7 +598,7 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                      qk_dot_ptr, dout_ptr, z_ptr, v_ptr, dz_ptr, dphi_ptr, dzeta_ptr, phi_smem, zeta_smem, d_psi_smem,
                      dz_smem, b, h, H, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
                      C, R, N, P, RD, BLOCK_P, BLOCK_SEG_CHUNKS, HALF_ROTATION, TABLE_DTYPE, SCALED_RAW_Y,
-                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, GATE, HAS_Z, HAS_D, num_warps)),
+                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, GATE, HAS_Z, HAS_D, WEIGHTS_AHEAD, num_warps)),
         (_producer, (q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs,
                      cos_bufs, sin_bufs, v_bufs, weight_bufs, da_rev_ptr, trap_scale_ptr, ready, empty, q_ready,
                      q_empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD, FROM_ANGLES, Q_IN_PLACE,
@@ -730,7 +748,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
 def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
                  raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
                  angles=None, table_dtype=None, half_rotation=False, block_p=None, ring_weights=False, gate=None,
-                 d=None, **_unused):
+                 d=None, weights_ahead=False, **_unused):
     """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
     skip), through one kernel.
 
@@ -744,6 +762,7 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     widest that fits; raw_y_scale has a column per tile).  ``ring_weights``: each chunk's da_rev and trap_scale reach
     the consumer through the ring (copied by the producer) rather than by its own loads.  ``d`` [H] fp32: the D skip
     added to raw_y in fp32 before it is stored (else left to ``gate_grads``; with ``gate`` it is the gate's d).
+    ``weights_ahead``: the chunk's log decays (and without the ring its da_rev and trap_scale) are loaded a step ahead.
 
     ``gate``: the gate applied in the pass, so no raw_y goes out (raw_y and raw_y_scale None): a dict of dout, z (or
     None) [B, S, H, P] 16-bit, mimo_o, mimo_z (or None) [H, R, P] fp32, d [H] fp32 (or None: no D skip; with the
@@ -784,6 +803,7 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
            **({"TABLE_DTYPE": trig["TABLE_DTYPE"]} if trig["FROM_ANGLES"] else {}),
            **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}),
            **({"RING_WEIGHTS": True} if ring_weights else {}),
+           **({"WEIGHTS_AHEAD": True} if weights_ahead else {}),
            **(dict(GATE=True, HAS_Z=gate["z"] is not None, HAS_D=gate["d"] is not None) if gate else {}),
            **({"HAS_D": True} if d_skip else {}))
 

@@ -264,6 +264,9 @@ class ScanConfig:
     scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
     its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; the
     dispatcher's at chunks of 16 tokens or more, section 55).
+    scan_outputs_weights_ahead: that kernel loads each chunk's log decays (and, without the ring, its da_rev and
+    trap_scale) a step ahead, so their exps do not wait out the L2 latency (section 58; the dispatcher's at N = 128
+    with 16-token chunks, where the registers they hold add no spill that costs more).
     scan_outputs_gate: that kernel also applies the gate to each chunk's raw_y while it is in registers (dz, and the
     dPhi / dZeta partials of its segment, with the D skip in fp32), so no raw_y scratch goes out and back and
     ``gate_grads`` is not launched (where the kernel covers the gate: 16-bit dout / z; section 54).  The dispatcher's
@@ -312,6 +315,7 @@ class ScanConfig:
     scan_outputs: bool = False
     scan_outputs_block_p: int = 0
     scan_outputs_ring_weights: bool = False
+    scan_outputs_weights_ahead: bool = False
     scan_outputs_gate: bool = False
     scan_outputs_d_skip: bool = False
 
@@ -614,6 +618,12 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # 179.6 (106.6 -> 95.1); at 8-token chunks it ties or loses (R8_C8 576.4 -> 578.6, 367.1 -> 369.6), and at N = 64
     # (c99d456, graph us): N64_P64 238.6 -> 243.7, N64_P128 444.4 -> 447.4, N64_P64 without Z 191.8 -> 196.2.
     scan_outputs_ring_weights = bool(scan_outputs and chunk_size >= 16 and N == 128)
+    # The fused pass's log decays loaded a step ahead (section 58) at 16-token chunks at N = 128.  H100, 0f72967
+    # (2026-12-07_h100_ab_0f72967_weights_ahead.json, graph us, off -> on): with Z N128_P64_R4_C16 291.3 -> 286.4,
+    # N128_P32 228.1 -> 217.9; without Z N128_P64_R4_C16 244.8 -> 239.4, N128_P32 208.7 -> 208.0.  Where the
+    # registers held across the step add spill it loses: R8_C8 577.2 -> 608.0, R2_C32 179.6 -> 189.5, N64_P128 416.5
+    # -> 431.4 (N64_P64 a tie, 243.7 -> 242.3).
+    scan_outputs_weights_ahead = bool(scan_outputs and chunk_size == 16 and N == 128)
     if scan_outputs:
         span_chunks = SCAN_OUTPUTS_END_SPAN if (N, P) in SCAN_OUTPUTS_END_SPAN_SHAPES else 1
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
@@ -628,7 +638,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
                       out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels,
                       scan_outputs=scan_outputs, scan_outputs_gate=scan_outputs_gate,
-                      scan_outputs_ring_weights=scan_outputs_ring_weights)
+                      scan_outputs_ring_weights=scan_outputs_ring_weights,
+                      scan_outputs_weights_ahead=scan_outputs_weights_ahead)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
@@ -916,6 +927,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                           states=handoff, seg_state=seg_end, qk_dot=qk_dot,
                                           half_rotation=scan_rotation_16bit,
                                           ring_weights=config.scan_outputs_ring_weights,
+                                          weights_ahead=config.scan_outputs_weights_ahead,
                                           d=d if d_in_pass else None)
         if gate_in_pass:
             # Its segments' partials, no raw_y scratch, no gate_grads.
