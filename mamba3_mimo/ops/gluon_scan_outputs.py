@@ -128,13 +128,6 @@ def _rotate_into(lo_rows, hi_rows, bias_lo, bias_hi, cos, sin, out_lo, out_hi, r
 
 
 @gluon.jit
-def _decay_logs(da_cs_ptr, at, y_row, C: gl.constexpr):
-    """The log decays of the chunk at ``at`` of the [B * H, S] table: over the whole chunk (its last cumsum) and to
-    each raw_y row's token (``y_row``: rows (r, t), rank-major)."""
-    return gl.load(da_cs_ptr + at + C - 1), gl.load(da_cs_ptr + at + y_row % C)
-
-
-@gluon.jit
 def _weigh_psiv(v_rows, v_weighted, psi_smem, psiv_w_smem, psiv_smem, r, C: gl.constexpr, layout: gl.constexpr):
     """Rank ``r``'s rows of psiv, weighted (the update's B) and plain (raw_y's B), as bf16 operand rows."""
     psi = psi_smem.index(r).load(gl.SliceLayout(0, layout))[None, :]
@@ -279,7 +272,8 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         # own step, the exp waits out their L2 latency (~15% of the step's stall samples, docs/optimization.md
         # section 58).  The registers they hold across the step spill at some shapes: the dispatcher says where.
         ahead = bh * S + c_first * C
-        log_decay, y_log_decay = _decay_logs(da_cs_ptr, ahead, y_row, C)
+        log_decay = gl.load(da_cs_ptr + ahead + C - 1)
+        y_log_decay = gl.load(da_cs_ptr + ahead + y_row % C)
         if not RING_WEIGHTS:
             da_rev = gl.load(da_rev_ptr + ahead + token)
             trap_scale = gl.load(trap_scale_ptr + ahead + token)
@@ -294,7 +288,8 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
                 psiv_weight = gl.exp(da_rev) * trap_scale  # before da_rev and trap_scale turn to the next step's
             # The next step's (this one's again on the last step, where no next chunk is in range).
             ahead = bh * S + (c_first + gl.minimum(i + 1, n_steps - 1)) * C
-            log_decay, y_log_decay = _decay_logs(da_cs_ptr, ahead, y_row, C)
+            log_decay = gl.load(da_cs_ptr + ahead + C - 1)
+            y_log_decay = gl.load(da_cs_ptr + ahead + y_row % C)
             if not RING_WEIGHTS:
                 da_rev = gl.load(da_rev_ptr + ahead + token)
                 trap_scale = gl.load(trap_scale_ptr + ahead + token)
@@ -314,7 +309,10 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             y_decay = gl.exp(gl.load(da_cs_ptr + disc + y_row % C))
 
         mbarrier.wait(ready.index(stage), (i // NUM_BUFFERS) & 1)
-        if RING_WEIGHTS:
+        if RING_WEIGHTS and WEIGHTS_AHEAD:
+            psiv_weight = (gl.exp(weight_bufs.index(2 * stage).load(token_layout))
+                           * weight_bufs.index(2 * stage + 1).load(token_layout))
+        elif RING_WEIGHTS:
             da_rev = weight_bufs.index(2 * stage).load(token_layout)
             trap_scale = weight_bufs.index(2 * stage + 1).load(token_layout)
         if TABLE_DTYPE is None:
@@ -325,7 +323,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             cos = gl.where(rotated, cos.to(ROTATION_DTYPE), 1.0)
             sin = gl.where(rotated, sin.to(ROTATION_DTYPE), 0.0)
         v_rows = v_bufs.index(stage).load(p_layout).to(gl.float32)
-        if WEIGHTS_AHEAD and not RING_WEIGHTS:
+        if WEIGHTS_AHEAD:
             v_weighted = v_rows * psiv_weight[:, None]
         else:
             v_weighted = v_rows * (gl.exp(da_rev) * trap_scale)[:, None]
