@@ -32,11 +32,13 @@ CASES = ["N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C3
 
 
 def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_segment=64, scaled_raw_y=True,
-                     block_p=None, ring_weights=False, gate=None, d_skip=False, weights_ahead=False):
+                     block_p=None, ring_weights=False, gate=None, d_skip=False, weights_ahead=False,
+                     token_weights=False):
     """The kernel compiled for sm_90 on an official shape (B=4, S=2048, H=16, G=1), no GPU needed, at ``plan``'s P
     tile (``block_p``: that one), with the per-token weights through the ring where ``ring_weights``, and with the
     gate in the pass where ``gate`` is given (``dict(has_z=..., has_d=...)``; bf16 activations and dz), or with the D
-    skip added to raw_y where ``d_skip``, with the log decays loaded a step ahead where ``weights_ahead``."""
+    skip added to raw_y where ``d_skip``, with the log decays loaded a step ahead where ``weights_ahead``, with the
+    intra-chunk weights once a (row, column token) where ``token_weights``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -79,7 +81,7 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
                      TABLE_DTYPE=(tl.bfloat16 if half_rotation else tl.float16) if from_angles else None,
                      Q_IN_PLACE=layout.q_in_place, WEIGHED_BUFFER=layout.weighed_buffer, RING_WEIGHTS=ring_weights,
                      GATE=bool(gate), HAS_Z=bool(gate and gate["has_z"]), HAS_D=bool(gate and gate["has_d"]) or d_skip,
-                     WEIGHTS_AHEAD=weights_ahead)
+                     WEIGHTS_AHEAD=weights_ahead, TOKEN_WEIGHTS=token_weights)
     types.update({name: "constexpr" for name in constants})
     signature = {name: types[name] for name in _scan_outputs_kernel.arg_names}
     source = GluonASTSource(_scan_outputs_kernel, signature, constants)
@@ -119,14 +121,22 @@ def main(argv=None):
         if N == 128 and shape["chunk_size"] == 16:
             variants += [(widest, True, True, None, False, True),
                          (gate_tile, True, True, dict(has_z=False, has_d=True), False, True)]
-        for block_p, half_rotation, ring_weights, gate, d_skip, weights_ahead in variants:
+        variants = [variant + (False,) for variant in variants]
+        # The intra-chunk weights once a (row, column token), in the dispatcher's form with Z and without.
+        ring = N == 128 and shape["chunk_size"] >= 16
+        ahead = N == 128 and shape["chunk_size"] == 16
+        variants += [(widest, True, ring, None, False, ahead, True),
+                     (gate_tile, True, ring, dict(has_z=False, has_d=True), False, ahead, True)]
+        for block_p, half_rotation, ring_weights, gate, d_skip, weights_ahead, token_weights in variants:
             layout = plan(C=parse_case(case)["chunk_size"], R=parse_case(case)["R"], P=P,
                           half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
                           gate_form=GateForm(**gate) if gate else None, N=parse_case(case)["N"], d_skip=d_skip)
             kernel = compile_for_sm90(case, half_rotation=half_rotation, block_p=block_p, ring_weights=ring_weights,
-                                      gate=gate, d_skip=d_skip, weights_ahead=weights_ahead)
+                                      gate=gate, d_skip=d_skip, weights_ahead=weights_ahead,
+                                      token_weights=token_weights)
             record = dict(case=case, half_rotation=half_rotation, ring_weights=ring_weights, gate=gate,
-                          d_skip=d_skip, weights_ahead=weights_ahead, **layout._asdict(), **summary(kernel),
+                          d_skip=d_skip, weights_ahead=weights_ahead, token_weights=token_weights,
+                          **layout._asdict(), **summary(kernel),
                           **global_copies(kernel))
             print(record, flush=True)
             records.append(record)

@@ -251,6 +251,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         scan_outputs_block_p=[0, 32, 64, 128],
         scan_outputs_ring_weights=[False, True],
         scan_outputs_weights_ahead=[False, True],
+        scan_outputs_token_weights=[False, True],
         scan_outputs_gate=[False, True],
         scan_outputs_d_skip=[False, True],
     )

@@ -143,7 +143,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
              "out_defer_qk_dot", "angles_in_kernels", "scan_outputs", "scan_outputs_gate", "scan_outputs_ring_weights",
-             "scan_outputs_weights_ahead", "block_p", "out_max_registers", "n_segments", "end_span_chunks",
+             "scan_outputs_weights_ahead", "scan_outputs_token_weights", "block_p", "out_max_registers", "n_segments",
+             "end_span_chunks",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
     assert not any(getattr(plain, name) for name in knobs[:-8])
     # The Gluon scan's P tile at N = 64 is 64 wide (section 47); elsewhere the plain rule's.
@@ -202,6 +203,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.scan_outputs_gate is fused_without_z
     assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16
                                                 and parse_case(case)["N"] == 128)
+    # Its intra-chunk weights once a (row, column token) wherever it runs (section 58).
+    assert config.scan_outputs_token_weights is (config.scan_outputs and production.SCAN_OUTPUTS_TOKEN_WEIGHTS)
     # Its log decays a step ahead at N = 128 with 16-token chunks (section 58).
     assert config.scan_outputs_weights_ahead is (config.scan_outputs and parse_case(case)["chunk_size"] == 16
                                                  and parse_case(case)["N"] == 128)
@@ -332,7 +335,8 @@ def test_dispatcher_keeps_the_gate_in_chunk_scan_without_z_off_hopper(case):
     # Everything else as on Hopper.
     assert dataclasses.replace(on_hopper, gate_in_scan=True, scan_outputs=False, gluon_gate=False,
                                gate_tokens=ScanConfig.gate_tokens, scan_outputs_gate=False,
-                               scan_outputs_ring_weights=False, scan_outputs_weights_ahead=False) == off_hopper
+                               scan_outputs_ring_weights=False, scan_outputs_weights_ahead=False,
+                               scan_outputs_token_weights=False) == off_hopper
 
 
 def test_production_asks_the_dispatcher_whether_the_gluon_kernels_run(monkeypatch):

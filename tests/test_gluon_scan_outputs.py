@@ -82,14 +82,35 @@ def test_compiles_warp_specialized_without_spill_within_99_kb(compiled):
 def test_ring_weights_take_the_consumers_weight_loads(compiled):
     """With the weights through the ring (the dispatcher's tile and rotation) the kernel has fewer global loads than
     the same kernel without (da_rev and trap_scale come from shared memory) and the producer's cp.async copies."""
-    ring = [record for record in compiled if record["ring_weights"] and not record["weights_ahead"]]
+    ring = [record for record in compiled
+            if record["ring_weights"] and not (record["weights_ahead"] or record["token_weights"])]
     assert {record["case"] for record in ring} == set(gluon_scan_outputs_probe.CASES)
     for record in ring:
-        plain = [other for other in compiled if not (other["ring_weights"] or other["gate"] or other["d_skip"]) and all(
+        plain = [other for other in compiled if not (other["ring_weights"] or other["gate"] or other["d_skip"]
+                                                     or other["weights_ahead"] or other["token_weights"]) and all(
             other[name] == record[name] for name in ("case", "block_p", "half_rotation"))]
         assert len(plain) == 1, record
         assert record["kernel_LDG"] < plain[0]["kernel_LDG"], (record, plain[0])
         assert record["kernel_LDGSTS"] > 0 == plain[0]["kernel_LDGSTS"], (record, plain[0])
+
+
+def test_token_weights_shorten_the_step(compiled):
+    """The intra-chunk weights once a (row, column token): the consumer's step loop is shorter than the same form's
+    with a weight a score, with as many wgmma and no more spill (the scores viewed as [rows, R, C] relabel
+    registers: no layout conversion through shared memory, so no more barriers either)."""
+    fields = ("case", "block_p", "half_rotation", "ring_weights", "gate", "d_skip", "weights_ahead")
+    pairs = 0
+    for record in (record for record in compiled if record["token_weights"]):
+        same = [other for other in compiled if not other["token_weights"]
+                and all(other[name] == record[name] for name in fields)]
+        if not same:
+            continue
+        pairs += 1
+        other, = same
+        assert record["loop"] < other["loop"], (record, other)
+        assert record["HGMMA"] == other["HGMMA"] and record["BAR"] <= other["BAR"], (record, other)
+        assert record["stack"] <= other["stack"], (record, other)
+    assert pairs >= 8, pairs
 
 
 @pytest.mark.parametrize("change, message", [
@@ -218,6 +239,16 @@ FUSED_CASES = [
          ahead=True),
     dict(N=64, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, ahead=True),
     dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=False, half=False, z=False, gate=True, ahead=True),
+    # The intra-chunk weights once a (row, column token) (scan_outputs_token_weights): the dispatcher's forms at N = 128
+    # (16-token chunks with the ring and the step-ahead decays, 8 and 32 tokens with the gate), at N = 64 over 64- and
+    # 128-wide tiles, and a 32-wide tile with the tables.
+    dict(N=128, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=True, ring=True, ahead=True,
+         token=True),
+    dict(N=128, P=64, R=8, chunk_size=8, S=128, H=2, G=1, angles=True, half=True, z=False, gate=True, token=True),
+    dict(N=128, P=64, R=2, chunk_size=32, S=256, H=2, G=1, angles=True, half=True, z=True, ring=True, token=True),
+    dict(N=64, P=64, R=4, chunk_size=16, S=256, H=4, G=2, angles=True, half=True, z=False, gate=True, token=True),
+    dict(N=64, P=128, R=4, chunk_size=16, S=256, H=2, G=1, angles=True, half=True, z=True, token=True),
+    dict(N=128, P=32, R=4, chunk_size=16, S=256, H=2, G=1, angles=False, half=False, z=True, token=True),
 ]
 
 
@@ -240,7 +271,7 @@ def _spy(monkeypatch):
                          f"{'-tile%d' % c['block_p'] if 'block_p' in c else ''}{'-ring' if c.get('ring') else ''}"
                          f"{'-gate' if c.get('gate') else ''}{'-nod' if c.get('d') is False else ''}"
                          f"{'-dskip' if c.get('d_skip') else ''}{'-span%d' % c['end_span'] if 'end_span' in c else ''}"
-                         f"{'-ahead' if c.get('ahead') else ''}")
+                         f"{'-ahead' if c.get('ahead') else ''}{'-token' if c.get('token') else ''}")
 def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkeypatch, case):
     monkeypatch.setenv("MAMBA3_MIMO_CHECK_PLAN", "1")  # every call runs its wrappers
     calls, tiles = _spy(monkeypatch)
@@ -252,7 +283,8 @@ def test_production_with_scan_outputs_matches_the_reference(check_kernel, monkey
                      out_half_rotation=case["half"], scan_outputs_block_p=case.get("block_p", 0), gluon_segments=0,
                      scan_outputs_ring_weights=case.get("ring", False), scan_outputs_gate=case.get("gate", False),
                      scan_outputs_d_skip=case.get("d_skip", False), end_span_chunks=case.get("end_span", 1),
-                     scan_outputs_weights_ahead=case.get("ahead", False))
+                     scan_outputs_weights_ahead=case.get("ahead", False),
+                     scan_outputs_token_weights=case.get("token", False))
     shape = {name: case[name] for name in ("N", "P", "R", "chunk_size", "S", "H", "G")}
     gates = spy_gate_grads(monkeypatch)
     check_kernel("production", B=2, dtype=torch.bfloat16, output_dtype=torch.bfloat16, config=config, dA_scale=0.1,
@@ -327,13 +359,14 @@ def test_scan_outputs_agree_with_chunk_scan(monkeypatch):
         assert (got.float() - want.float()).abs().max().item() <= 2 ** -6 * scale, name
 
 
-@pytest.mark.parametrize("ring_weights, weights_ahead", [(False, False), (True, False), (True, True)],
-                         ids=["own-loads", "ring-weights", "ring-weights-ahead"])
-def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch, ring_weights, weights_ahead):
+@pytest.mark.parametrize("ring_weights, weights_ahead, token_weights",
+                         [(False, False, False), (True, False, False), (True, True, False), (False, False, True)],
+                         ids=["own-loads", "ring-weights", "ring-weights-ahead", "token-weights"])
+def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch, ring_weights, weights_ahead, token_weights):
     """The wrapper's launch on the CPU, the kernel replaced by a recorder: one program per (P tile, segment, (b, h)),
     q's and k's descriptors over their own tensors with the same rank-major [R, C, 64] boxes, the angles' box, and
-    the fold's end states (or a stand-in with one segment); RING_WEIGHTS and WEIGHTS_AHEAD only where asked for (the
-    default launch keeps the GPU-tested specialization's arguments)."""
+    the fold's end states (or a stand-in with one segment); RING_WEIGHTS, WEIGHTS_AHEAD and TOKEN_WEIGHTS only where
+    asked for (the default launch keeps the GPU-tested specialization's arguments)."""
     launched = []
     monkeypatch.setattr(gluon_scan_outputs, "launch", lambda kernel, grid, *args, **constants: launched.append(
         (grid, args, constants)))
@@ -350,10 +383,11 @@ def test_host_wrapper_launches_with_q_and_k_boxes(monkeypatch, ring_weights, wei
         mimo_v=inputs["mimo_v"], da_cs=inputs["da_cs"], da_cs_rev=inputs["da_cs_rev"], gamma=weights[0],
         trap_scale=weights[1], seg_state=seg_state, chunk_size=C, n_segments=2, chunks_per_segment=2,
         angles=inputs["angles"], table_dtype=torch.float16, ring_weights=ring_weights, weights_ahead=weights_ahead,
-        **outputs)
+        token_weights=token_weights, **outputs)
     (grid, args, constants), = launched
     assert constants.get("RING_WEIGHTS", False) is ring_weights and ("RING_WEIGHTS" in constants) is ring_weights
     assert ("WEIGHTS_AHEAD" in constants) is weights_ahead and constants.get("WEIGHTS_AHEAD", False) is weights_ahead
+    assert ("TOKEN_WEIGHTS" in constants) is token_weights and constants.get("TOKEN_WEIGHTS", False) is token_weights
     # P = 64 in one 64-wide tile (fp32 bias rows: q rotated in place, the weighed scores over q~).
     assert grid == (1, 2, B * H)
     assert constants["BLOCK_P"] == 64 and constants["Q_IN_PLACE"] and not constants["WEIGHED_BUFFER"]

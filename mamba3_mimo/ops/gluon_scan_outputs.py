@@ -225,7 +225,7 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
               BLOCK_P: gl.constexpr, BLOCK_SEG_CHUNKS: gl.constexpr, HALF_ROTATION: gl.constexpr,
               TABLE_DTYPE: gl.constexpr, SCALED_RAW_Y: gl.constexpr, Q_IN_PLACE: gl.constexpr,
               WEIGHED_BUFFER: gl.constexpr, RING_WEIGHTS: gl.constexpr, GATE: gl.constexpr, HAS_Z: gl.constexpr,
-              HAS_D: gl.constexpr, WEIGHTS_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+              HAS_D: gl.constexpr, WEIGHTS_AHEAD: gl.constexpr, TOKEN_WEIGHTS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = N // 2
     # N = 64: the state is one [64, P tile] accumulator and q~ / k~ one [rows, 64] operand each ([lo | hi]), so a
     # chunk takes three wgmma where N = 128 takes six, plus raw_y's.
@@ -267,6 +267,14 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
         gate_p = gl.arange(0, BLOCK_P, gl.SliceLayout(0, rows_layout))
         gate_offs = gate_t[:, None] * (H * P) + gate_p[None, :]
         act_first = (b.to(gl.int64) * S * H + h) * P + p0  # [B, S, H, P] activations at token 0, column p0
+    if TOKEN_WEIGHTS:
+        # The intra-chunk weights depend on the tokens (t, s) of a score's row and column only.  Over the scores
+        # viewed as [rows, R, C] (the columns' ranks apart: the same registers relabeled) they are computed once a
+        # (row, s) and broadcast over the column ranks, where [rows, rows] took an exp for every rank copy.
+        pair_layout: gl.constexpr = gl.SliceLayout(
+            1, gl.reshape(gl.zeros([_ROWS, _ROWS], gl.float32, score_layout), [_ROWS, R, C]).type.layout)
+        pair_row = gl.arange(0, _ROWS, gl.SliceLayout(1, pair_layout))
+        pair_col = gl.arange(0, C, gl.SliceLayout(0, pair_layout))
     if WEIGHTS_AHEAD:
         # The weights whose first use is an exp early in the step, loaded a step ahead: asked for at the top of their
         # own step, the exp waits out their L2 latency (~15% of the step's stall samples, docs/optimization.md
@@ -301,10 +309,16 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
                 trap_scale = gl.load(trap_scale_ptr + disc + token)
             decay = gl.exp(gl.load(da_cs_ptr + disc + C - 1))
         # The rest of the chunk's weights are first used after the step's first products.
-        da_row = gl.load(da_cs_ptr + disc + score_row % C)
-        da_col = gl.load(da_cs_ptr + disc + score_col % C)
-        gamma_row = gl.load(gamma_ptr + disc + score_row % C)
-        ts_col = gl.load(trap_scale_ptr + disc + score_col % C)
+        if TOKEN_WEIGHTS:
+            da_row = gl.load(da_cs_ptr + disc + pair_row % C)
+            da_col = gl.load(da_cs_ptr + disc + pair_col)
+            gamma_row = gl.load(gamma_ptr + disc + pair_row % C)
+            ts_col = gl.load(trap_scale_ptr + disc + pair_col)
+        else:
+            da_row = gl.load(da_cs_ptr + disc + score_row % C)
+            da_col = gl.load(da_cs_ptr + disc + score_col % C)
+            gamma_row = gl.load(gamma_ptr + disc + score_row % C)
+            ts_col = gl.load(trap_scale_ptr + disc + score_col % C)
         if not WEIGHTS_AHEAD:
             y_decay = gl.exp(gl.load(da_cs_ptr + disc + y_row % C))
 
@@ -386,15 +400,22 @@ def _consumer(q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs, cos_bufs, sin_bufs, v_
             # q~'s products are done and the weighed scores have a buffer of their own: q's stage is free.
             mbarrier.arrive(q_empty.index(q_stage), count=1)
 
-        weights = intra_chunk_weights(score_row % C, score_col % C, all_rows, all_cols, da_row, da_col, gamma_row,
-                                      ts_col)
+        if TOKEN_WEIGHTS:
+            pair_weights = intra_chunk_weights(pair_row % C, pair_col, pair_row < _ROWS, pair_col < C, da_row, da_col,
+                                               gamma_row, ts_col)
+            weighed_scores = gl.reshape(gl.reshape(scores, [_ROWS, R, C]) * gl.expand_dims(pair_weights, 1),
+                                        [_ROWS, _ROWS])
+        else:
+            weights = intra_chunk_weights(score_row % C, score_col % C, all_rows, all_cols, da_row, da_col, gamma_row,
+                                          ts_col)
+            weighed_scores = scores * weights
         # Without a buffer of their own, the weighed scores (raw_y's A operand) go over q~'s low operand, which both
         # of its products have read.
         if WEIGHED_BUFFER:
             weighed = weighed_smem
         else:
             weighed = q_op_lo
-        weighed.store((scores * weights).to(gl.bfloat16))
+        weighed.store(weighed_scores.to(gl.bfloat16))
         fence_async_shared()
         raw_y = warpgroup_mma(weighed, psiv_smem, y_decay[:, None] * y_state, is_async=True)
         if pid_p == 0:
@@ -449,7 +470,8 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                          TABLE_DTYPE: gl.constexpr = None, SCALED_RAW_Y: gl.constexpr = True,
                          Q_IN_PLACE: gl.constexpr = False, WEIGHED_BUFFER: gl.constexpr = False,
                          RING_WEIGHTS: gl.constexpr = False, GATE: gl.constexpr = False, HAS_Z: gl.constexpr = False,
-                         HAS_D: gl.constexpr = False, WEIGHTS_AHEAD: gl.constexpr = False):
+                         HAS_D: gl.constexpr = False, WEIGHTS_AHEAD: gl.constexpr = False,
+                         TOKEN_WEIGHTS: gl.constexpr = False):
     """One program scans one segment of one (b, h) for one P tile of the whole state, storing the state entering
     each chunk and the chunk's raw_y (and, in P tile 0, qk_dot).  The segment starts from the earlier segments'
     end states folded (``seg_state``, from the end-state pass; unused with one segment).  With Q_IN_PLACE, q has a
@@ -596,7 +618,8 @@ def _scan_outputs_kernel(q_desc, k_desc, cos_desc, sin_desc, v_desc, states_desc
                      qk_dot_ptr, dout_ptr, z_ptr, v_ptr, dz_ptr, dphi_ptr, dzeta_ptr, phi_smem, zeta_smem, d_psi_smem,
                      dz_smem, b, h, H, bh, c_first, p0, pid_p, S, NCH, CHUNKS_PER_SEG, N_SEGMENTS, seg, n_steps,
                      C, R, N, P, RD, BLOCK_P, BLOCK_SEG_CHUNKS, HALF_ROTATION, TABLE_DTYPE, SCALED_RAW_Y,
-                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, GATE, HAS_Z, HAS_D, WEIGHTS_AHEAD, num_warps)),
+                     Q_IN_PLACE, WEIGHED_BUFFER, RING_WEIGHTS, GATE, HAS_Z, HAS_D, WEIGHTS_AHEAD, TOKEN_WEIGHTS,
+                     num_warps)),
         (_producer, (q_desc, k_desc, cos_desc, sin_desc, v_desc, q_lo_bufs, q_hi_bufs, k_lo_bufs, k_hi_bufs,
                      cos_bufs, sin_bufs, v_bufs, weight_bufs, da_rev_ptr, trap_scale_ptr, ready, empty, q_ready,
                      q_empty, b, h, g, bh, c_first * C, p0, S, n_steps, C, N, P, RD, FROM_ANGLES, Q_IN_PLACE,
@@ -746,7 +769,7 @@ def unsupported(*, q, k, v, states, chunk_size, cos_angles=None, sin_angles=None
 def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, trap_scale, states, seg_state, qk_dot,
                  raw_y, raw_y_scale, chunk_size, n_segments, chunks_per_segment, cos_angles=None, sin_angles=None,
                  angles=None, table_dtype=None, half_rotation=False, block_p=None, ring_weights=False, gate=None,
-                 d=None, weights_ahead=False, **_unused):
+                 d=None, weights_ahead=False, token_weights=False, **_unused):
     """The storing scan pass with chunk_scan's products (``gluon_chunk_states`` plus ``chunk_scan`` without the D
     skip), through one kernel.
 
@@ -761,6 +784,7 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
     the consumer through the ring (copied by the producer) rather than by its own loads.  ``d`` [H] fp32: the D skip
     added to raw_y in fp32 before it is stored (else left to ``gate_grads``; with ``gate`` it is the gate's d).
     ``weights_ahead``: the chunk's log decays (and without the ring its da_rev and trap_scale) are loaded a step ahead.
+    ``token_weights``: the intra-chunk weights computed once a (row, column token) and broadcast over the column ranks.
 
     ``gate``: the gate applied in the pass, so no raw_y goes out (raw_y and raw_y_scale None): a dict of dout, z (or
     None) [B, S, H, P] 16-bit, mimo_o, mimo_z (or None) [H, R, P] fp32, d [H] fp32 (or None: no D skip; with the
@@ -802,6 +826,7 @@ def scan_outputs(*, q, k, v, q_bias, k_bias, mimo_v, da_cs, da_cs_rev, gamma, tr
            **({"Q_IN_PLACE": True, "WEIGHED_BUFFER": layout.weighed_buffer} if layout.q_in_place else {}),
            **({"RING_WEIGHTS": True} if ring_weights else {}),
            **({"WEIGHTS_AHEAD": True} if weights_ahead else {}),
+           **({"TOKEN_WEIGHTS": True} if token_weights else {}),
            **(dict(GATE=True, HAS_Z=gate["z"] is not None, HAS_D=gate["d"] is not None) if gate else {}),
            **({"HAS_D": True} if d_skip else {}))
 

@@ -115,6 +115,8 @@ GLUON_SCAN_MAX_BLOCK_P = 64
 # its eager calls not replayed (194.4 -> 240.5, unexplained, section 57); at N = 128 (one ring stage of the longer
 # chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
 SCAN_OUTPUTS_END_SPAN = 2
+# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58).
+SCAN_OUTPUTS_TOKEN_WEIGHTS = True
 SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
@@ -264,6 +266,8 @@ class ScanConfig:
     scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
     its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; the
     dispatcher's at chunks of 16 tokens or more, section 55).
+    scan_outputs_token_weights: that kernel computes the intra-chunk weights once a (row, column token) over the
+    scores viewed as [rows, R, C], broadcast over the column ranks, not once a score (section 58).
     scan_outputs_weights_ahead: that kernel loads each chunk's log decays (and, without the ring, its da_rev and
     trap_scale) a step ahead, so their exps do not wait out the L2 latency (section 58; the dispatcher's at N = 128
     with 16-token chunks, where the registers they hold add no spill that costs more).
@@ -316,6 +320,7 @@ class ScanConfig:
     scan_outputs_block_p: int = 0
     scan_outputs_ring_weights: bool = False
     scan_outputs_weights_ahead: bool = False
+    scan_outputs_token_weights: bool = False
     scan_outputs_gate: bool = False
     scan_outputs_d_skip: bool = False
 
@@ -624,6 +629,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # registers held across the step add spill it loses: R8_C8 577.2 -> 608.0, R2_C32 179.6 -> 189.5, N64_P128 416.5
     # -> 431.4 (N64_P64 a tie, 243.7 -> 242.3).
     scan_outputs_weights_ahead = bool(scan_outputs and chunk_size == 16 and N == 128)
+    # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58): the consumer's
+    # step loop 960 -> 794 SASS at N128_P64_R4_C16, 1031 -> 911 at N64_P64 (static).
+    scan_outputs_token_weights = bool(scan_outputs and SCAN_OUTPUTS_TOKEN_WEIGHTS)
     if scan_outputs:
         span_chunks = SCAN_OUTPUTS_END_SPAN if (N, P) in SCAN_OUTPUTS_END_SPAN_SHAPES else 1
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
@@ -639,7 +647,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels,
                       scan_outputs=scan_outputs, scan_outputs_gate=scan_outputs_gate,
                       scan_outputs_ring_weights=scan_outputs_ring_weights,
-                      scan_outputs_weights_ahead=scan_outputs_weights_ahead)
+                      scan_outputs_weights_ahead=scan_outputs_weights_ahead,
+                      scan_outputs_token_weights=scan_outputs_token_weights)
 
 
 def gate_tokens_per_program(*, B, H, S, R, P, num_sms):
@@ -928,6 +937,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
                                           half_rotation=scan_rotation_16bit,
                                           ring_weights=config.scan_outputs_ring_weights,
                                           weights_ahead=config.scan_outputs_weights_ahead,
+                                          token_weights=config.scan_outputs_token_weights,
                                           d=d if d_in_pass else None)
         if gate_in_pass:
             # Its segments' partials, no raw_y scratch, no gate_grads.
