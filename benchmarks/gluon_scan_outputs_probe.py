@@ -89,11 +89,13 @@ def compile_for_sm90(case, *, half_rotation=False, from_angles=True, chunks_per_
 
 
 def global_copies(kernel):
-    """The whole kernel's global loads into registers (LDG) and cp.async copies into shared memory (LDGSTS), in SASS."""
+    """The whole kernel's global loads into registers (LDG), cp.async copies into shared memory (LDGSTS),
+    special-function instructions (MUFU: exp, sin, cos) and instructions, in SASS."""
     import sass_report
 
     opcodes = [op.split(".")[0] for _, op, _ in sass_report.sass_ops(kernel)]
-    return dict(kernel_LDG=opcodes.count("LDG"), kernel_LDGSTS=opcodes.count("LDGSTS"))
+    return dict(kernel_LDG=opcodes.count("LDG"), kernel_LDGSTS=opcodes.count("LDGSTS"),
+                kernel_MUFU=opcodes.count("MUFU"), kernel_SASS=len(opcodes))
 
 
 def main(argv=None):
