@@ -115,8 +115,9 @@ GLUON_SCAN_MAX_BLOCK_P = 64
 # its eager calls not replayed (194.4 -> 240.5, unexplained, section 57); at N = 128 (one ring stage of the longer
 # chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
 SCAN_OUTPUTS_END_SPAN = 2
-# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58).
-SCAN_OUTPUTS_TOKEN_WEIGHTS = True
+# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58):
+# compiled and checked statically, not yet run on a GPU, so off.
+SCAN_OUTPUTS_TOKEN_WEIGHTS = False
 SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
@@ -629,8 +630,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # registers held across the step add spill it loses: R8_C8 577.2 -> 608.0, R2_C32 179.6 -> 189.5, N64_P128 416.5
     # -> 431.4 (N64_P64 a tie, 243.7 -> 242.3).
     scan_outputs_weights_ahead = bool(scan_outputs and chunk_size == 16 and N == 128)
-    # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58): the consumer's
-    # step loop 960 -> 794 SASS at N128_P64_R4_C16, 1031 -> 911 at N64_P64 (static).
+    # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58): the whole
+    # kernel 2560 -> 2448 SASS at N128_P64_R4_C16 (MUFU 52 -> 34), 1944 -> 1824 at N64_P64 (static; off until timed).
     scan_outputs_token_weights = bool(scan_outputs and SCAN_OUTPUTS_TOKEN_WEIGHTS)
     if scan_outputs:
         span_chunks = SCAN_OUTPUTS_END_SPAN if (N, P) in SCAN_OUTPUTS_END_SPAN_SHAPES else 1
