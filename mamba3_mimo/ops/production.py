@@ -112,13 +112,13 @@ GLUON_SCAN_MAX_BLOCK_P = 64
 # where the longer one does not fit): sections 56-57.  H100, b23e265 (2026-12-07_h100_sweep_b23e265_end_span.json,
 # graph us, span 1 -> 2): N64_P128 426.5 -> 417.8 (official grid at db62bd5: 418.4, eager 424.8 against 97dfb00's
 # 424.9 / 430.3); N64_P64 243.6 -> 241.9 with Z but its eager calls 2-3% slower, without Z 192.5 -> 191.7 graph and
-# its eager calls not replayed (194.4 -> 240.5, unexplained, section 57); at N = 128 (one ring stage of the longer
-# chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
+# 194.4 -> 240.5 eager (replayed all the same, section 58: the host's time a call); at N = 128 (one ring stage of the
+# longer chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
 SCAN_OUTPUTS_END_SPAN = 2
+SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58):
 # compiled and checked statically, not yet run on a GPU, so off.
 SCAN_OUTPUTS_TOKEN_WEIGHTS = False
-SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -267,11 +267,11 @@ class ScanConfig:
     scan_outputs_ring_weights: that kernel's producer copies each chunk's da_rev and trap_scale into the ring beside
     its tiles (as the Gluon scan's ``ring_weights``), where the consumer loaded them itself (section 53; the
     dispatcher's at chunks of 16 tokens or more, section 55).
-    scan_outputs_token_weights: that kernel computes the intra-chunk weights once a (row, column token) over the
-    scores viewed as [rows, R, C], broadcast over the column ranks, not once a score (section 58).
     scan_outputs_weights_ahead: that kernel loads each chunk's log decays (and, without the ring, its da_rev and
     trap_scale) a step ahead, so their exps do not wait out the L2 latency (section 58; the dispatcher's at N = 128
     with 16-token chunks, where the registers they hold add no spill that costs more).
+    scan_outputs_token_weights: that kernel computes the intra-chunk weights once a (row, column token) over the
+    scores viewed as [rows, R, C], broadcast over the column ranks, not once a score (section 58).
     scan_outputs_gate: that kernel also applies the gate to each chunk's raw_y while it is in registers (dz, and the
     dPhi / dZeta partials of its segment, with the D skip in fp32), so no raw_y scratch goes out and back and
     ``gate_grads`` is not launched (where the kernel covers the gate: 16-bit dout / z; section 54).  The dispatcher's
