@@ -33,7 +33,7 @@ def check(case, has_z):
         add(self, compiled, trailing, grid, device, args)
         if was and not self.replayable:
             name = getattr(getattr(compiled, "metadata", None), "name", None) or getattr(compiled, "name", compiled)
-            causes.append(f"launch of {name}: a tensor argument is a view of a root")
+            causes.append(f"launch of {name}: an argument the call record cannot describe (_CallRecord.add)")
 
     def spying_forbid():
         plan = launch._active_plan.get()
