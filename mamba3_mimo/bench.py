@@ -239,6 +239,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         out_y_state_early=[False, True],
         out_defer_state_store=[False, True],
         out_defer_qk_dot=[False, True],
+        out_token_weights=[False, True],
         scan_half_rotation=[False, True],
         out_half_rotation=[False, True],
         gluon_scan=[False, True],

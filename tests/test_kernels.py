@@ -467,6 +467,33 @@ def test_production_half_rotation(check_kernel, case, dtype):
                  config=case["config"])
 
 
+# chunk_scan's intra-chunk weights once a (row, column token) (out_token_weights): raw_y stored over a tail chunk;
+# the gate in chunk_scan with a padding rank (R = 3 in a tile of 4); spans of two chunks (the span's re-based
+# column decays) in the half rotation's low-register order with GQA; one rank (a [rows, tokens, 1] view) with local
+# states, the gate and qk_dot deferred.
+TOKEN_WEIGHTS_CASES = [
+    dict(R=2, G=1, S=70, chunk_size=16, config=ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32,
+                                                          split_gate=True, out_token_weights=True)),
+    dict(R=3, G=1, S=45, chunk_size=8, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, split_gate=True,
+                                                         gate_in_scan=True, out_token_weights=True)),
+    dict(R=2, G=2, S=53, chunk_size=8, config=ScanConfig(block_p=32, n_segments=2, out_block_p=32, split_gate=True,
+                                                         out_span_chunks=2, end_span_chunks=2, out_half_rotation=True,
+                                                         out_q_cast_early=True, out_y_state_early=True,
+                                                         out_token_weights=True)),
+    dict(R=1, G=1, S=61, chunk_size=16, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, local_states=True,
+                                                          split_gate=True, gate_in_scan=True, out_span_chunks=2,
+                                                          out_defer_qk_dot=True, out_token_weights=True)),
+]
+
+
+@pytest.mark.parametrize("case", TOKEN_WEIGHTS_CASES, ids=["raw_y-tail", "gate-pad_rank", "span-gqa-half", "r1-local"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_production_token_weights(check_kernel, case, dtype):
+    """chunk_scan weighing the scores viewed as [rows, tokens, ranks] meets the contract in both of its forms."""
+    check_kernel("production", B=1, S=case["S"], H=2, G=case["G"], N=32, P=48, R=case["R"],
+                 chunk_size=case["chunk_size"], dtype=dtype, config=case["config"])
+
+
 def test_half_rotation_rounding(request, device):
     """fp16 activations, fp32 outputs: the rotation in fp16 costs at most twice the fp32 rotation's error.
 

@@ -82,6 +82,7 @@ def _span_raw_y(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr, DEFER_STATE_STORE: tl.constexpr,
     DEFER_QK_DOT: tl.constexpr, FROM_ANGLES: tl.constexpr, TABLE_DTYPE: tl.constexpr, FAST_TRIG: tl.constexpr,
+    TOKEN_WEIGHTS: tl.constexpr = False,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -192,13 +193,24 @@ def _span_raw_y(
         da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_rows, S)
     if SPAN_CHUNKS > 1:
         da_rows += span_decay_offsets(da_cs_seq, t_rows, t0, S, C, SPAN_CHUNKS)[0]
-    weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows,
-                                  PRECISE_EXP)
+    if TOKEN_WEIGHTS:
+        # A weight depends on the row's token and the column's token only: the [rows, rows] tile holds R x R
+        # copies of one [tokens, tokens] block.  Weigh the scores viewed as [rows, column tokens, column ranks]
+        # with [rows, column tokens] weights: R times fewer exps.
+        col_da, _, _, col_ts = load_token_weights(
+            da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_tok, S)
+        if SPAN_CHUNKS > 1:
+            col_da += span_decay_offsets(da_cs_seq, t_tok, t0, S, C, SPAN_CHUNKS)[0]
+        token_weights = intra_chunk_weights(row_t, tok, row_mask, tok_mask, da_rows, col_da, gamma_rows, col_ts,
+                                            PRECISE_EXP)
+        mixing = tl.reshape(tl.reshape(scores, (ROWS, BLOCK_L, BLOCK_R)) * token_weights[:, :, None], (ROWS, ROWS))
+    else:
+        mixing = scores * intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows,
+                                              ts_rows, PRECISE_EXP)
     v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
     psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
-    mixing = scores * weights
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     if pid_p == 0 and DEFER_QK_DOT:
         _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask)
@@ -234,7 +246,7 @@ def _chunk_scan_kernel(
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False, FROM_ANGLES: tl.constexpr = False, TABLE_DTYPE: tl.constexpr = tl.float32,
-    FAST_TRIG: tl.constexpr = False,
+    FAST_TRIG: tl.constexpr = False, TOKEN_WEIGHTS: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
@@ -248,7 +260,7 @@ def _chunk_scan_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG)
+            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG, TOKEN_WEIGHTS)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -277,7 +289,7 @@ def _chunk_scan_gate_kernel(
     PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False, FROM_ANGLES: tl.constexpr = False, TABLE_DTYPE: tl.constexpr = tl.float32,
-    FAST_TRIG: tl.constexpr = False,
+    FAST_TRIG: tl.constexpr = False, TOKEN_WEIGHTS: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
@@ -302,7 +314,7 @@ def _chunk_scan_gate_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG)
+            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG, TOKEN_WEIGHTS)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -359,7 +371,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
                q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False,
-               defer_qk_dot=False, angles=None, table_dtype=None):
+               defer_qk_dot=False, angles=None, table_dtype=None, token_weights=False):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -373,9 +385,10 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     q's and k's bias add and rotation, tl.float32 or the products' half dtype (``host_utils.rotation_math_dtype``).
     ``defer_state_store`` writes each span's full state (with ``seg_entry``) after q~ @ state instead of right after
     its loads, ``defer_qk_dot`` qk_dot after the products instead of right after the scores
-    (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).  With ``angles`` (and no cos / sin tables) the
-    kernel computes the cos / sin that ``token_tables`` would have stored as ``table_dtype`` (16-bit) from the angles
-    (``ScanConfig.angles_in_kernels``): the same values, without the tables' write and read.
+    (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).  ``token_weights`` computes the intra-chunk weights
+    once a (row, column token) instead of once a score (``ScanConfig.out_token_weights``).  With ``angles`` (and no
+    cos / sin tables) the kernel computes the cos / sin that ``token_tables`` would have stored as ``table_dtype``
+    (16-bit) from the angles (``ScanConfig.angles_in_kernels``): the same values, without the tables' write and read.
 
     Args (contiguous): q, k: [B, S, R, G, N]; v: [B, S, H, P]; cos_angles, sin_angles: [B, S, H, RD]
         fp32, fp16 or bf16, or None with angles: [B, S, H, RD] fp32; q_bias, k_bias: [H, R, N] fp32;
@@ -420,6 +433,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         Q_CAST_EARLY=q_cast_early, Y_STATE_EARLY=y_state_early, ROTATION_DTYPE=rotation_math_dtype,
         PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
         DEFER_STATE_STORE=defer_state_store, DEFER_QK_DOT=defer_qk_dot,
+        **({'TOKEN_WEIGHTS': True} if token_weights else {}),
         **({key: trig[key] for key in ("FROM_ANGLES", "TABLE_DTYPE", "FAST_TRIG")} if trig["FROM_ANGLES"] else {}),
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:

@@ -216,6 +216,8 @@ class ScanConfig:
     its data: in N128_P64_R4_C16's SASS the state / entry loads, then the state stores, then q's loads, then k's
     (section 44).  With ``DISPATCH_SWEPT_KNOBS`` the dispatcher defers the state store at N64_P64 and qk_dot at
     N128_P128, where each was timed to win (section 45; qk_dot without Z since section 46).
+    out_token_weights: ``chunk_scan`` computes the intra-chunk weights once a (row, column token), on the scores
+    viewed as [rows, tokens, ranks], instead of once a score (``scan_outputs_token_weights``'s view in chunk_scan).
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -307,6 +309,7 @@ class ScanConfig:
     out_y_state_early: bool = False
     out_defer_state_store: bool = False
     out_defer_qk_dot: bool = False
+    out_token_weights: bool = False
     scan_half_rotation: bool = False
     out_half_rotation: bool = False
     gate_tile_elements: int = 2048
@@ -928,7 +931,7 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
             rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
-            defer_qk_dot=config.out_defer_qk_dot)
+            defer_qk_dot=config.out_defer_qk_dot, token_weights=config.out_token_weights)
         # The fused storing pass leaves the D skip to gate_grads, unless it adds it to raw_y itself.
         d_in_gate = (config.d_in_gate or fused is not None) and d is not None and not d_in_pass
         if fused:
