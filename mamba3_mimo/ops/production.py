@@ -119,6 +119,8 @@ SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58):
 # compiled and checked statically, not yet run on a GPU, so off.
 SCAN_OUTPUTS_TOKEN_WEIGHTS = False
+# The same view in chunk_scan (``out_token_weights``, section 59): static, off until timed.
+OUT_TOKEN_WEIGHTS = False
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -636,6 +638,9 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58): the whole
     # kernel 2560 -> 2448 SASS at N128_P64_R4_C16 (MUFU 52 -> 34), 1944 -> 1824 at N64_P64 (static; off until timed).
     scan_outputs_token_weights = bool(scan_outputs and SCAN_OUTPUTS_TOKEN_WEIGHTS)
+    # chunk_scan's intra-chunk weights once a (row, column token) (section 59), where chunk_scan runs with R > 1:
+    # statically -1 to -10% of its SASS (N32 without Z 1808 -> 1624, N128_P128 3192 -> 3032, N256 3208 -> 3080).
+    out_token_weights = bool(swept and OUT_TOKEN_WEIGHTS and split_gate and not scan_outputs and R > 1)
     if scan_outputs:
         span_chunks = SCAN_OUTPUTS_END_SPAN if (N, P) in SCAN_OUTPUTS_END_SPAN_SHAPES else 1
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
@@ -648,7 +653,8 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       out_q_cast_early=out_half_rotation, out_y_state_early=out_half_rotation, gluon_scan=swept,
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
-                      out_defer_qk_dot=defer_qk_dot, angles_in_kernels=angles_in_kernels,
+                      out_defer_qk_dot=defer_qk_dot, out_token_weights=out_token_weights,
+                      angles_in_kernels=angles_in_kernels,
                       scan_outputs=scan_outputs, scan_outputs_gate=scan_outputs_gate,
                       scan_outputs_ring_weights=scan_outputs_ring_weights,
                       scan_outputs_weights_ahead=scan_outputs_weights_ahead,
