@@ -47,6 +47,11 @@ PDL_KERNELS = {"token_tables", "flat_token_tables", "state_scan", "segment_entry
 # a 99 KB GPU (sm_89) and for Hopper.
 LARGE_CHUNK_CALL = dict(B=1, S=256, H=2, G=1, N=256, P=64, R=4, chunk_size=64)
 LARGE_CHUNK_ARCHS = (89, 90)
+# chunk_scan's token weights (ScanConfig.out_token_weights, docs/optimization.md section 59) on official shapes where
+# chunk_scan runs, with Z (raw_y stored) and without (the gate in chunk_scan): the dispatcher's config with the knob
+# off and on.
+TOKEN_WEIGHTS_CASES = (("N32_P64_R4_C16", True), ("N32_P64_R4_C16", False), ("N128_P128_R4_C8", False),
+                       ("N256_P64_R4_C8", True))
 # SASS of griddepcontrol.wait / .launch_dependents, and of the accesses to global memory.
 GRID_WAIT, GRID_TRIGGER = "ACQBULK", "PREEXIT"
 GLOBAL_ACCESS = ("LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "RED", "ATOMG")
@@ -220,6 +225,44 @@ def compile_large_chunks():
     return shared
 
 
+def compile_token_weights():
+    """{case-z: {"off" / "on": {"SASS", "MUFU", "HGMMA", "BAR", "shared": shared-memory accesses, "stack"}}} of
+    chunk_scan's launch in TOKEN_WEIGHTS_CASES with ``out_token_weights`` off and on."""
+    import collections
+
+    import aot_report
+    import sass_report
+
+    aot_report.compile_as_cuda()
+    counts = {}
+    for case, z in TOKEN_WEIGHTS_CASES:
+        forms = counts[f"{case}-{'z' if z else 'noz'}"] = {}
+        for form, flag in (("off", 0), ("on", 1)):
+            launches = aot_report.official_launches(case, f"out_token_weights={flag}", z=z)
+            (name, args, kwargs), = [launch for launch in launches if launch[0].startswith("chunk_scan")]
+            assert kwargs.get("TOKEN_WEIGHTS", False) is bool(flag), (case, form)
+            kernel = aot_report.compile_launch(name, args, kwargs)
+            ops = collections.Counter(opcode.split(".")[0] for _, opcode, _ in sass_report.sass_ops(kernel))
+            forms[form] = dict(SASS=sum(ops.values()), MUFU=ops["MUFU"], HGMMA=ops["HGMMA"], BAR=ops["BAR"],
+                               shared=sum(ops[op] for op in ("LDS", "STS", "LDSM", "STSM")),
+                               stack=aot_report.resources(kernel)["stack"])
+    return counts
+
+
+def test_chunk_scan_token_weights_take_fewer_instructions(compiled):
+    """chunk_scan weighing the scores viewed as [rows, tokens, ranks] compiles to fewer instructions than a weight a
+    score, with the same tensor-core ops, barriers and shared-memory accesses (the view relabels registers), and at
+    most 8 B more spill a thread."""
+    counts = compiled["token_weights"]
+    assert len(counts) == len(TOKEN_WEIGHTS_CASES)
+    for case, forms in counts.items():
+        off, on = forms["off"], forms["on"]
+        assert on["SASS"] < off["SASS"], (case, forms)
+        assert {key: on[key] for key in ("HGMMA", "BAR", "shared")} == {key: off[key] for key in
+                                                                       ("HGMMA", "BAR", "shared")}, (case, forms)
+        assert on["stack"] <= off["stack"] + 8, (case, forms)
+
+
 def test_large_chunks_fit_99kb(compiled):
     """Chunks over 64 rows are walked as inner chunks (production.inner_chunk_size), so their launches keep to the
     99 KB bound like the official grid's."""
@@ -233,4 +276,5 @@ def test_large_chunks_fit_99kb(compiled):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    print(json.dumps(dict(compile_calls(), pdl=compile_pdl_calls(), large_chunks=compile_large_chunks())))
+    print(json.dumps(dict(compile_calls(), pdl=compile_pdl_calls(), large_chunks=compile_large_chunks(),
+                          token_weights=compile_token_weights())))
