@@ -196,7 +196,8 @@ def _span_raw_y(
     if TOKEN_WEIGHTS:
         # A weight depends on the row's token and the column's token only: the [rows, rows] tile holds R x R
         # copies of one [tokens, tokens] block.  Weigh the scores viewed as [rows, column tokens, column ranks]
-        # with [rows, column tokens] weights: R times fewer exps.
+        # with [rows, column tokens] weights: the masks, selects and differences once a token, not once a score
+        # (the compiler already merges a thread's equal exps; section 59).
         col_da, _, _, col_ts = load_token_weights(
             da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_tok, S)
         if SPAN_CHUNKS > 1:
