@@ -204,14 +204,17 @@ def _span_raw_y(
             col_da += span_decay_offsets(da_cs_seq, t_tok, t0, S, C, SPAN_CHUNKS)[0]
         token_weights = intra_chunk_weights(row_t, tok, row_mask, tok_mask, da_rows, col_da, gamma_rows, col_ts,
                                             PRECISE_EXP)
-        mixing = tl.reshape(tl.reshape(scores, (ROWS, BLOCK_L, BLOCK_R)) * token_weights[:, :, None], (ROWS, ROWS))
     else:
-        mixing = scores * intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows,
-                                              ts_rows, PRECISE_EXP)
+        weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows,
+                                      PRECISE_EXP)
     v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
     psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
+    if TOKEN_WEIGHTS:
+        mixing = tl.reshape(tl.reshape(scores, (ROWS, BLOCK_L, BLOCK_R)) * token_weights[:, :, None], (ROWS, ROWS))
+    else:
+        mixing = scores * weights
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     if pid_p == 0 and DEFER_QK_DOT:
         _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask)
