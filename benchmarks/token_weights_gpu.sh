@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The token weights on the GPU (docs/optimization.md sections 58-59): the fused pass's
-# (`scan_outputs_token_weights`) and chunk_scan's (`out_token_weights`), both off in the dispatcher until timed.
+# (`scan_outputs_token_weights`) and chunk_scan's (`out_token_weights`), both off in the dispatcher until timed; and
+# chunk_scan's scores weighed before its v / Psi loads (`out_early_mixing`, a ScanConfig knob only).
 # usage: MAMBA3_COMMIT=<sha> PART=sweep bash benchmarks/token_weights_gpu.sh          (~300-400 s on a fresh GPU)
 #        MAMBA3_COMMIT=<sha> PART=official SCAN_TW=True OUT_TW=True bash benchmarks/token_weights_gpu.sh
 # PART=sweep: the knobs' GPU contract tests, then each knob off -> on in one run (with Z and without) on the shapes
@@ -30,6 +31,10 @@ sweep)
     timeout 80 python3 -m mamba3_mimo.bench $z --sweep --knobs out_token_weights=0:1 --impl production \
       --breakdown --cases $CHUNK_SCAN --json "$OUT/sweep_chunk_scan$suffix.json" > "$OUT/sweep_chunk_scan$suffix.log" \
       2>&1 || status=1
+    # The scores weighed before the v / Psi loads (out_early_mixing): less spill at R1_C64 and N16 without Z.
+    timeout 60 python3 -m mamba3_mimo.bench $z --sweep --knobs out_early_mixing=0:1 --impl production \
+      --breakdown --cases N128_P64_R1_C64 N16_P64_R4_C8 --json "$OUT/sweep_early_mixing$suffix.json" \
+      > "$OUT/sweep_early_mixing$suffix.log" 2>&1 || status=1
   done
   tail -n 5 "$OUT"/sweep_*.log ;;
 official)

@@ -240,6 +240,7 @@ def sweep_configs(B, S, H, N, P, R, chunk_size, num_sms, knob_names=None, has_z=
         out_defer_state_store=[False, True],
         out_defer_qk_dot=[False, True],
         out_token_weights=[False, True],
+        out_early_mixing=[False, True],
         scan_half_rotation=[False, True],
         out_half_rotation=[False, True],
         gluon_scan=[False, True],

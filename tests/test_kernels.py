@@ -470,26 +470,33 @@ def test_production_half_rotation(check_kernel, case, dtype):
 # chunk_scan's intra-chunk weights once a (row, column token) (out_token_weights): raw_y stored over a tail chunk;
 # the gate in chunk_scan with a padding rank (R = 3 in a tile of 4); spans of two chunks (the span's re-based
 # column decays) in the half rotation's low-register order with GQA; one rank (a [rows, tokens, 1] view) with local
-# states, the gate and qk_dot deferred.
+# states, the gate and qk_dot deferred.  The scores weighed before the v / Psi loads (out_early_mixing) with the
+# padding rank and the one rank, and alone with raw_y stored.
 TOKEN_WEIGHTS_CASES = [
     dict(R=2, G=1, S=70, chunk_size=16, config=ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32,
                                                           split_gate=True, out_token_weights=True)),
     dict(R=3, G=1, S=45, chunk_size=8, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, split_gate=True,
-                                                         gate_in_scan=True, out_token_weights=True)),
+                                                         gate_in_scan=True, out_token_weights=True,
+                                                         out_early_mixing=True)),
     dict(R=2, G=2, S=53, chunk_size=8, config=ScanConfig(block_p=32, n_segments=2, out_block_p=32, split_gate=True,
                                                          out_span_chunks=2, end_span_chunks=2, out_half_rotation=True,
                                                          out_q_cast_early=True, out_y_state_early=True,
                                                          out_token_weights=True)),
     dict(R=1, G=1, S=61, chunk_size=16, config=ScanConfig(block_p=16, n_segments=2, out_block_p=32, local_states=True,
                                                           split_gate=True, gate_in_scan=True, out_span_chunks=2,
-                                                          out_defer_qk_dot=True, out_token_weights=True)),
+                                                          out_defer_qk_dot=True, out_token_weights=True,
+                                                          out_early_mixing=True)),
+    dict(R=2, G=1, S=70, chunk_size=16, config=ScanConfig(block_p=32, n_segments=3, block_half=16, out_block_p=32,
+                                                          split_gate=True, out_early_mixing=True)),
 ]
 
 
-@pytest.mark.parametrize("case", TOKEN_WEIGHTS_CASES, ids=["raw_y-tail", "gate-pad_rank", "span-gqa-half", "r1-local"])
+@pytest.mark.parametrize("case", TOKEN_WEIGHTS_CASES, ids=["raw_y-tail", "gate-pad_rank-early", "span-gqa-half",
+                                                       "r1-local-early", "early-raw_y"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_production_token_weights(check_kernel, case, dtype):
-    """chunk_scan weighing the scores viewed as [rows, tokens, ranks] meets the contract in both of its forms."""
+    """chunk_scan weighing the scores viewed as [rows, tokens, ranks], or before the v / Psi loads, meets the contract
+    in both of its forms."""
     check_kernel("production", B=1, S=case["S"], H=2, G=case["G"], N=32, P=48, R=case["R"],
                  chunk_size=case["chunk_size"], dtype=dtype, config=case["config"])
 

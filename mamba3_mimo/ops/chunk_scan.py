@@ -72,6 +72,19 @@ def _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask):
 
 
 @triton.jit
+def _weighed_scores(scores, weights, TOKEN_WEIGHTS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The mixing matrix scores * W [rows, rows]: ``weights`` a weight a score [rows, rows], or with TOKEN_WEIGHTS a
+    weight a (row, column token) [rows, tokens], broadcast over the column ranks of the scores viewed as [rows,
+    tokens, ranks]."""
+    ROWS: tl.constexpr = BLOCK_L * BLOCK_R
+    if TOKEN_WEIGHTS:
+        mixing = tl.reshape(tl.reshape(scores, (ROWS, BLOCK_L, BLOCK_R)) * weights[:, :, None], (ROWS, ROWS))
+    else:
+        mixing = scores * weights
+    return mixing
+
+
+@triton.jit
 def _span_raw_y(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_bias_ptr, k_bias_ptr, psi_ptr, d_ptr,
     da_cs_ptr, da_rev_ptr, gamma_ptr, trap_scale_ptr, states_ptr, seg_entry_ptr, entry_decay_ptr, qk_dot_ptr,
@@ -82,7 +95,7 @@ def _span_raw_y(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CAST_EARLY: tl.constexpr, Y_STATE_EARLY: tl.constexpr,
     ROTATION_DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr, GDC: tl.constexpr, DEFER_STATE_STORE: tl.constexpr,
     DEFER_QK_DOT: tl.constexpr, FROM_ANGLES: tl.constexpr, TABLE_DTYPE: tl.constexpr, FAST_TRIG: tl.constexpr,
-    TOKEN_WEIGHTS: tl.constexpr = False,
+    TOKEN_WEIGHTS: tl.constexpr = False, EARLY_MIXING: tl.constexpr = False,
 ):
     """raw_y [ROWS, BLOCK_P] fp32 of one span and P tile, rows (token, rank); P tile 0 also stores qk_dot.
 
@@ -202,19 +215,20 @@ def _span_raw_y(
             da_cs_seq, da_rev_ptr + disc_base, gamma_ptr + disc_base, trap_scale_ptr + disc_base, t_tok, S)
         if SPAN_CHUNKS > 1:
             col_da += span_decay_offsets(da_cs_seq, t_tok, t0, S, C, SPAN_CHUNKS)[0]
-        token_weights = intra_chunk_weights(row_t, tok, row_mask, tok_mask, da_rows, col_da, gamma_rows, col_ts,
-                                            PRECISE_EXP)
+        weights = intra_chunk_weights(row_t, tok, row_mask, tok_mask, da_rows, col_da, gamma_rows, col_ts,
+                                      PRECISE_EXP)  # [rows, tokens]
     else:
         weights = intra_chunk_weights(row_t, row_t, row_mask, row_mask, da_rows, da_rows, gamma_rows, ts_rows,
                                       PRECISE_EXP)
+    if EARLY_MIXING:
+        # The scores weighed before v and Psi are loaded: the schedule that spills less at R1_C64 without Z.
+        mixing = _weighed_scores(scores, weights, TOKEN_WEIGHTS, BLOCK_L, BLOCK_R)
     v_tok = load_rows(v_ptr + hp_seq, t_tok * (H * P), tok_mask, offs_p, p_mask)
     psi = load_rows(psi_ptr + h * R * P, rank * P, rank_mask, offs_p, p_mask)
     psiv = tl.reshape(v_tok[:, None, :] * psi[None, :, :], (ROWS, BLOCK_P))
 
-    if TOKEN_WEIGHTS:
-        mixing = tl.reshape(tl.reshape(scores, (ROWS, BLOCK_L, BLOCK_R)) * token_weights[:, :, None], (ROWS, ROWS))
-    else:
-        mixing = scores * weights
+    if not EARLY_MIXING:
+        mixing = _weighed_scores(scores, weights, TOKEN_WEIGHTS, BLOCK_L, BLOCK_R)
     raw_y = tl.dot(mixing.to(DOT_DTYPE), psiv.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     if pid_p == 0 and DEFER_QK_DOT:
         _store_qk_dot(qk_dot_ptr, scores, bh, S, R, t_rows, row_t, row_r, row_mask)
@@ -250,7 +264,7 @@ def _chunk_scan_kernel(
     SCALED_RAW_Y: tl.constexpr, PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False, FROM_ANGLES: tl.constexpr = False, TABLE_DTYPE: tl.constexpr = tl.float32,
-    FAST_TRIG: tl.constexpr = False, TOKEN_WEIGHTS: tl.constexpr = False,
+    FAST_TRIG: tl.constexpr = False, TOKEN_WEIGHTS: tl.constexpr = False, EARLY_MIXING: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     first_span = tl.program_id(1) * SPANS_PER_PROGRAM
@@ -264,7 +278,7 @@ def _chunk_scan_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, first_span + step, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG, TOKEN_WEIGHTS)
+            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG, TOKEN_WEIGHTS, EARLY_MIXING)
         # raw_y [B, H, S, R, P]: row (t, r) of the span is row t * R + r of the (b, h) sequence.
         seq_rows = bh * S * R + t_rows * R + row_r
         if SCALED_RAW_Y:
@@ -293,7 +307,7 @@ def _chunk_scan_gate_kernel(
     PRECISE_EXP: tl.constexpr = False, DEFER_STATE_STORE: tl.constexpr = False,
     DEFER_QK_DOT: tl.constexpr = False,
     GDC: tl.constexpr = False, FROM_ANGLES: tl.constexpr = False, TABLE_DTYPE: tl.constexpr = tl.float32,
-    FAST_TRIG: tl.constexpr = False, TOKEN_WEIGHTS: tl.constexpr = False,
+    FAST_TRIG: tl.constexpr = False, TOKEN_WEIGHTS: tl.constexpr = False, EARLY_MIXING: tl.constexpr = False,
 ):
     """_chunk_scan_kernel with the gate applied to raw_y in registers instead of storing it: dz of the span's
     tokens and the span's partial sums of dPhi / dZeta ([R, P tile] each, summed later by sum_group_partials).
@@ -318,7 +332,7 @@ def _chunk_scan_gate_kernel(
             S, H, G, HEADS_PER_GROUP, NCH, CHUNKS_PER_SEG, N_SEGMENTS, pid_p, span, bh,
             C, R, N, P, RD, BLOCK_L, BLOCK_R, BLOCK_HALF, BLOCK_P, SPAN_CHUNKS, ADD_ENTRY, HAS_D and not D_AT_GATE,
             DOT_DTYPE, DOT_PRECISION, Q_CAST_EARLY, Y_STATE_EARLY, ROTATION_DTYPE, PRECISE_EXP, GDC,
-            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG, TOKEN_WEIGHTS)
+            DEFER_STATE_STORE, DEFER_QK_DOT, FROM_ANGLES, TABLE_DTYPE, FAST_TRIG, TOKEN_WEIGHTS, EARLY_MIXING)
         # [tokens, ranks, cols]: the rank sum of dz and the token sums of dPhi / dZeta are axis sums.
         t_tok = span * L + tok
         tok_mask = (tok < L) & (t_tok < S)
@@ -375,7 +389,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
                dout=None, z=None, mimo_o=None, mimo_z=None, dz=None, num_warps=4, span_chunks=1, seg_entry=None,
                entry_decay=None, chunks_per_segment=1, max_registers=0, spans_per_program=1, d_in_gate=False,
                q_cast_early=False, y_state_early=False, rotation_math_dtype=tl.float32, defer_state_store=False,
-               defer_qk_dot=False, angles=None, table_dtype=None, token_weights=False):
+               defer_qk_dot=False, angles=None, table_dtype=None, token_weights=False, early_mixing=False):
     """Fill ``raw_y`` and ``qk_dot``, or with ``dout``, apply the gate in place of storing raw_y: fill ``dz``
     and ``qk_dot`` and return the per-span partials of dPhi / dZeta; with ``seg_entry``, finish ``states`` too.
 
@@ -390,7 +404,8 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
     ``defer_state_store`` writes each span's full state (with ``seg_entry``) after q~ @ state instead of right after
     its loads, ``defer_qk_dot`` qk_dot after the products instead of right after the scores
     (``ScanConfig.out_defer_state_store``, ``out_defer_qk_dot``).  ``token_weights`` computes the intra-chunk weights
-    once a (row, column token) instead of once a score (``ScanConfig.out_token_weights``).  With ``angles`` (and no
+    once a (row, column token) instead of once a score (``ScanConfig.out_token_weights``); ``early_mixing`` weighs the
+    scores before v and Psi are loaded, not after (``ScanConfig.out_early_mixing``).  With ``angles`` (and no
     cos / sin tables) the kernel computes the cos / sin that ``token_tables`` would have stored as ``table_dtype``
     (16-bit) from the angles (``ScanConfig.angles_in_kernels``): the same values, without the tables' write and read.
 
@@ -438,6 +453,7 @@ def chunk_scan(*, q, k, v, cos_angles, sin_angles, q_bias, k_bias, mimo_v, d, da
         PRECISE_EXP=host_utils.precise_exp(dot_dtype, q),
         DEFER_STATE_STORE=defer_state_store, DEFER_QK_DOT=defer_qk_dot,
         **({'TOKEN_WEIGHTS': True} if token_weights else {}),
+        **({'EARLY_MIXING': True} if early_mixing else {}),
         **({key: trig[key] for key in ("FROM_ANGLES", "TABLE_DTYPE", "FAST_TRIG")} if trig["FROM_ANGLES"] else {}),
         num_warps=num_warps, num_stages=1, **({'maxnreg': max_registers} if max_registers else {}))
     if raw_y is not None:

@@ -220,6 +220,9 @@ class ScanConfig:
     N128_P128, where each was timed to win (section 45; qk_dot without Z since section 46).
     out_token_weights: ``chunk_scan`` computes the intra-chunk weights once a (row, column token), on the scores
     viewed as [rows, tokens, ranks], instead of once a score (``scan_outputs_token_weights``'s view in chunk_scan).
+    out_early_mixing: ``chunk_scan`` weighs the scores right after building the weights, before v and Psi are loaded
+    (statically R1_C64 without Z: 160 -> 128 B of spill, N16 without Z 8 -> 0; section 59).  Not in the dispatcher
+    until timed.
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -312,6 +315,7 @@ class ScanConfig:
     out_defer_state_store: bool = False
     out_defer_qk_dot: bool = False
     out_token_weights: bool = False
+    out_early_mixing: bool = False
     scan_half_rotation: bool = False
     out_half_rotation: bool = False
     gate_tile_elements: int = 2048
@@ -937,7 +941,8 @@ def _production_chunks(*, q, k, v, dout, z, angles, q_bias, k_bias, mimo_v, mimo
             entry_decay=entry_decay, chunks_per_segment=chunks_per_segment,
             q_cast_early=config.out_q_cast_early, y_state_early=config.out_y_state_early,
             rotation_math_dtype=out_rotation, defer_state_store=config.out_defer_state_store,
-            defer_qk_dot=config.out_defer_qk_dot, token_weights=config.out_token_weights)
+            defer_qk_dot=config.out_defer_qk_dot, token_weights=config.out_token_weights,
+            early_mixing=config.out_early_mixing)
         # The fused storing pass leaves the D skip to gate_grads, unless it adds it to raw_y itself.
         d_in_gate = (config.d_in_gate or fused is not None) and d is not None and not d_in_pass
         if fused:
