@@ -142,8 +142,8 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert choose_config(**shape) == (config if production.DISPATCH_SWEPT_KNOBS else plain)
     knobs = ("d_in_gate", "scan_half_rotation", "out_half_rotation", "out_q_cast_early", "out_y_state_early",
              "gluon_scan", "gluon_gate", "gluon_segments", "fold_one_scan", "flat_tables", "out_defer_state_store",
-             "out_defer_qk_dot", "out_token_weights", "angles_in_kernels", "scan_outputs", "scan_outputs_gate",
-             "scan_outputs_ring_weights",
+             "out_defer_qk_dot", "out_token_weights", "out_early_mixing", "angles_in_kernels", "scan_outputs",
+             "scan_outputs_gate", "scan_outputs_ring_weights",
              "scan_outputs_weights_ahead", "scan_outputs_token_weights", "block_p", "out_max_registers", "n_segments",
              "end_span_chunks",
              "out_span_chunks", "out_num_warps", "gate_in_scan", "gate_tokens")
@@ -206,9 +206,11 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
                                                 and parse_case(case)["N"] == 128)
     # Its intra-chunk weights once a (row, column token) wherever it runs (section 58).
     assert config.scan_outputs_token_weights is (config.scan_outputs and production.SCAN_OUTPUTS_TOKEN_WEIGHTS)
-    # chunk_scan's weights once a (row, column token) wherever chunk_scan runs with R > 1 (section 59).
-    assert config.out_token_weights is (production.OUT_TOKEN_WEIGHTS and config.split_gate
+    # chunk_scan's weights once a (row, column token) where chunk_scan runs with R > 1 without Z, its scores weighed
+    # before the v / Psi loads at R = 1 without Z (section 59; with Z both tie or lose).
+    assert config.out_token_weights is (production.OUT_TOKEN_WEIGHTS and config.split_gate and not has_z
                                         and not config.scan_outputs and R > 1)
+    assert config.out_early_mixing is (config.split_gate and not has_z and not config.scan_outputs and R == 1)
     # Its log decays a step ahead at N = 128 with 16-token chunks (section 58).
     assert config.scan_outputs_weights_ahead is (config.scan_outputs and parse_case(case)["chunk_size"] == 16
                                                  and parse_case(case)["N"] == 128)
@@ -341,7 +343,8 @@ def test_dispatcher_keeps_the_gate_in_chunk_scan_without_z_off_hopper(case):
                                gate_tokens=ScanConfig.gate_tokens, scan_outputs_gate=False,
                                scan_outputs_ring_weights=False, scan_outputs_weights_ahead=False,
                                scan_outputs_token_weights=False,
-                               out_token_weights=production.OUT_TOKEN_WEIGHTS) == off_hopper
+                               out_token_weights=production.OUT_TOKEN_WEIGHTS and parse_case(case)["R"] > 1,
+                               out_early_mixing=parse_case(case)["R"] == 1) == off_hopper
 
 
 def test_production_asks_the_dispatcher_whether_the_gluon_kernels_run(monkeypatch):

@@ -119,8 +119,8 @@ SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
 # The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58):
 # compiled and checked statically, not yet run on a GPU, so off.
 SCAN_OUTPUTS_TOKEN_WEIGHTS = False
-# The same view in chunk_scan (``out_token_weights``, section 59): static, off until timed.
-OUT_TOKEN_WEIGHTS = False
+# The same view in chunk_scan (``out_token_weights``, section 59), taken without Z only (the rule below).
+OUT_TOKEN_WEIGHTS = True
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
 SPAN_ROWS = 64
 # chunk_scan over single short chunks: where a chunk is at most SMALL_CHUNK_ROWS (token, rank) rows and the state's
@@ -221,8 +221,8 @@ class ScanConfig:
     out_token_weights: ``chunk_scan`` computes the intra-chunk weights once a (row, column token), on the scores
     viewed as [rows, tokens, ranks], instead of once a score (``scan_outputs_token_weights``'s view in chunk_scan).
     out_early_mixing: ``chunk_scan`` weighs the scores right after building the weights, before v and Psi are loaded
-    (statically R1_C64 without Z: 160 -> 128 B of spill, N16 without Z 8 -> 0; section 59).  Not in the dispatcher
-    until timed.
+    (statically R1_C64 without Z: 160 -> 128 B of spill, N16 without Z 8 -> 0; section 59).  The dispatcher takes
+    the token weights without Z at R > 1 and early mixing without Z at R = 1, where each was timed to win.
     scan_half_rotation / out_half_rotation: where the products take 16-bit operands, k's bias add and rotation in the
     state scans / q's and k's in the output stage (``chunk_scan`` or ``chunk_output``) run in that dtype, two elements
     a register, instead of in fp32 rounded once before the products; the rotated columns take up to three roundings
@@ -642,9 +642,16 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58): the whole
     # kernel 2560 -> 2448 SASS at N128_P64_R4_C16 (MUFU 52 -> 34), 1944 -> 1824 at N64_P64 (static; off until timed).
     scan_outputs_token_weights = bool(scan_outputs and SCAN_OUTPUTS_TOKEN_WEIGHTS)
-    # chunk_scan's intra-chunk weights once a (row, column token) (section 59), where chunk_scan runs with R > 1:
-    # statically -1 to -10% of its SASS (N32 without Z 1808 -> 1624, N128_P128 3192 -> 3032, N256 3208 -> 3080).
-    out_token_weights = bool(swept and OUT_TOKEN_WEIGHTS and split_gate and not scan_outputs and R > 1)
+    # chunk_scan's intra-chunk weights once a (row, column token) (section 59), where chunk_scan runs with R > 1
+    # without Z (the gate in chunk_scan).  H100, 494b354 (2026-12-07_h100_sweep{,_noz}_494b354_token_weights.json,
+    # chunk_scan us off -> on): without Z N32 134.1 -> 131.2, N256 337.7 -> 332.4, N128_P128 270.8 -> 262.8, N16
+    # 93.3 -> 92.6; with Z (no gate in it) it loses: N32 109.6 -> 114.3, N256 305.4 -> 318.2, N128_P128 271.9 ->
+    # 276.3 (N16 a tie).
+    out_token_weights = bool(swept and OUT_TOKEN_WEIGHTS and split_gate and not has_z and not scan_outputs and R > 1)
+    # Its scores weighed before the v / Psi loads at one rank without Z, where that cuts spill (160 -> 128 B).  Same
+    # run (..._early_mixing.json): R1_C64 without Z chunk_scan 79.7 -> 75.9 us (graph 128.4 -> 125.2); with Z 86.3
+    # -> 85.7, N16 a tie.
+    out_early_mixing = bool(swept and split_gate and not has_z and not scan_outputs and R == 1)
     if scan_outputs:
         span_chunks = SCAN_OUTPUTS_END_SPAN if (N, P) in SCAN_OUTPUTS_END_SPAN_SHAPES else 1
     return ScanConfig(block_p=block_p, n_segments=n_segments, block_half=block_half, out_block_p=out_block_p,
@@ -658,6 +665,7 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
                       gluon_gate=gluon_gate, gluon_segments=gluon_segments, fold_one_scan=fold_one_scan,
                       flat_tables=flat_tables, out_defer_state_store=defer_state_store,
                       out_defer_qk_dot=defer_qk_dot, out_token_weights=out_token_weights,
+                      out_early_mixing=out_early_mixing,
                       angles_in_kernels=angles_in_kernels,
                       scan_outputs=scan_outputs, scan_outputs_gate=scan_outputs_gate,
                       scan_outputs_ring_weights=scan_outputs_ring_weights,
