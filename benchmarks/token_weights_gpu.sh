@@ -42,6 +42,12 @@ geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
 print("True" if ratios and geomean < 0.99 else "False", f"# fused on/off geomean {geomean:.4f} over {len(ratios)}")
 PY
 }
+# After each part, so that what a call killed at its time limit had finished still comes back.
+pack() {
+  local aux
+  aux=$(cd "$OUT" && ls *.log *.txt sweep_*.json 2>/dev/null)
+  [ -n "$aux" ] && (cd "$OUT" && tar -rf aux.tar $aux && rm -f $aux)
+}
 for part in ${PART:-sweep}; do
 case "$part" in
 fused) fused_sweeps; tail -n 3 "$OUT"/sweep_fused*.log ;;
@@ -84,7 +90,6 @@ official)
   tail -n 34 "$OUT/bench.log" ;;
 *) echo "PART takes sweep, fused, mixing, official" >&2; exit 2 ;;
 esac
+pack
 done
-aux=$(cd "$OUT" && ls *.log *.txt sweep_*.json 2>/dev/null)
-(cd "$OUT" && tar -cf aux.tar $aux && rm -f $aux)
 exit $status
