@@ -3,7 +3,7 @@
 # (`scan_outputs_token_weights`) and chunk_scan's (`out_token_weights`), and chunk_scan's scores weighed before its
 # v / Psi loads (`out_early_mixing`).
 # usage: MAMBA3_COMMIT=<sha> PART=sweep bash benchmarks/token_weights_gpu.sh          (~250 s on a fresh H100)
-#        MAMBA3_COMMIT=<sha> PART="fused mixing official" SCAN_TW=auto bash benchmarks/token_weights_gpu.sh
+#        MAMBA3_COMMIT=<sha> PART="fused official mixing" SCAN_TW=auto bash benchmarks/token_weights_gpu.sh
 # PART=sweep: the knobs' GPU contract tests, then each knob off -> on in one run (with Z and without) on the shapes
 # that take its kernel.  fused / mixing: only the fused pass's sweep / early mixing over the chunk_scan shapes
 # without Z (token weights as the dispatcher takes them).  official: the dispatcher flags set as SCAN_TW / OUT_TW say
@@ -17,6 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 status=0
+verdict=""
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
   echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
 FUSED="N128_P64_R4_C16 N64_P64_R4_C16 N128_P32_R4_C16 N64_P128_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32"
@@ -50,7 +51,9 @@ pack() {
 }
 for part in ${PART:-sweep}; do
 case "$part" in
-fused) fused_sweeps; tail -n 3 "$OUT"/sweep_fused*.log ;;
+fused)
+  fused_sweeps; tail -n 3 "$OUT"/sweep_fused*.log
+  verdict=$(fused_verdict); echo "$verdict" | tee "$OUT/verdict.txt" ;;
 mixing)
   timeout 80 python3 -m mamba3_mimo.bench --no-z --sweep --knobs out_early_mixing=0:1 --impl production \
     --breakdown --cases $CHUNK_SCAN --json "$OUT/sweep_early_mixing_tw_noz.json" \
@@ -75,9 +78,8 @@ sweep)
   tail -n 5 "$OUT"/sweep_*.log ;;
 official)
   scan_tw=${SCAN_TW:-}
-  if [ "$scan_tw" = auto ]; then
-    verdict=$(fused_verdict); echo "$verdict" | tee "$OUT/verdict.txt"; scan_tw=${verdict%% *}
-  fi
+  # auto: the verdict of this call's fused part (its sweeps are packed by now).
+  [ "$scan_tw" = auto ] && scan_tw=${verdict%% *}
   flags=mamba3_mimo/ops/production.py
   [ -n "$scan_tw" ] && sed -i "s/^SCAN_OUTPUTS_TOKEN_WEIGHTS = .*/SCAN_OUTPUTS_TOKEN_WEIGHTS = $scan_tw/" $flags
   [ -n "${OUT_TW:-}" ] && sed -i "s/^OUT_TOKEN_WEIGHTS = .*/OUT_TOKEN_WEIGHTS = $OUT_TW/" $flags

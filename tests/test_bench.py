@@ -204,8 +204,10 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
     assert config.scan_outputs_gate is fused_without_z
     assert config.scan_outputs_ring_weights is (config.scan_outputs and parse_case(case)["chunk_size"] >= 16
                                                 and parse_case(case)["N"] == 128)
-    # Its intra-chunk weights once a (row, column token) wherever it runs (section 58).
-    assert config.scan_outputs_token_weights is (config.scan_outputs and production.SCAN_OUTPUTS_TOKEN_WEIGHTS)
+    # Its intra-chunk weights once a (row, column token) wherever it runs (sections 58, 60) but N128_P64_R4_C16
+    # without Z (the gate and the decays ahead over a 64-wide tile: a loss).
+    assert config.scan_outputs_token_weights is (config.scan_outputs and production.SCAN_OUTPUTS_TOKEN_WEIGHTS
+                                                 and not (not has_z and case == "N128_P64_R4_C16"))
     # chunk_scan's weights once a (row, column token) where chunk_scan runs with R > 1 without Z, its scores weighed
     # before the v / Psi loads at R = 1 without Z (section 59; with Z both tie or lose).
     assert config.out_token_weights is (production.OUT_TOKEN_WEIGHTS and config.split_gate and not has_z

@@ -116,9 +116,9 @@ GLUON_SCAN_MAX_BLOCK_P = 64
 # longer chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
 SCAN_OUTPUTS_END_SPAN = 2
 SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
-# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, section 58):
-# compiled and checked statically, not yet run on a GPU, so off.
-SCAN_OUTPUTS_TOKEN_WEIGHTS = False
+# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, sections 58, 60),
+# where the rule below takes it.
+SCAN_OUTPUTS_TOKEN_WEIGHTS = True
 # The same view in chunk_scan (``out_token_weights``, section 59), taken without Z only (the rule below).
 OUT_TOKEN_WEIGHTS = True
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
@@ -639,9 +639,14 @@ def choose_config(*, B, H, S, N, P, R, chunk_size, num_sms, split_gate=None, has
     # registers held across the step add spill it loses: R8_C8 577.2 -> 608.0, R2_C32 179.6 -> 189.5, N64_P128 416.5
     # -> 431.4 (N64_P64 a tie, 243.7 -> 242.3).
     scan_outputs_weights_ahead = bool(scan_outputs and chunk_size == 16 and N == 128)
-    # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58): the whole
-    # kernel 2560 -> 2448 SASS at N128_P64_R4_C16 (MUFU 52 -> 34), 1944 -> 1824 at N64_P64 (static; off until timed).
-    scan_outputs_token_weights = bool(scan_outputs and SCAN_OUTPUTS_TOKEN_WEIGHTS)
+    # Its intra-chunk weights once a (row, column token), broadcast over the column ranks (section 58; the whole
+    # kernel 2560 -> 2448 SASS at N128_P64_R4_C16).  H100, 922d573 (2026-12-07_h100_sweep{,_noz}_922d573_fused_token_
+    # weights.json, graph us, off -> on): with Z N64_P128 418.0 -> 394.0, N128_P32 219.7 -> 215.7, N64_P64 243.5 ->
+    # 239.4, R2_C32 180.2 -> 177.2, R8_C8 580.6 -> 572.7, N128_P64_R4_C16 288.0 -> 286.2; without Z N128_P32 209.1 ->
+    # 198.1, R8_C8 520.6 -> 503.9, R2_C32 163.1 -> 157.9, N64_P64 193.3 -> 189.9, but N128_P64_R4_C16 (the gate and
+    # the decays ahead over a 64-wide tile) 242.3 -> 245.8 (fused kernel 185.6 -> 188.5), left off there.
+    scan_outputs_token_weights = bool(scan_outputs and SCAN_OUTPUTS_TOKEN_WEIGHTS and not (
+        scan_outputs_gate and scan_outputs_weights_ahead and P >= 64))
     # chunk_scan's intra-chunk weights once a (row, column token) (section 59), where chunk_scan runs with R > 1
     # without Z (the gate in chunk_scan).  H100, 494b354 (2026-12-07_h100_sweep{,_noz}_494b354_token_weights.json,
     # chunk_scan us off -> on): without Z N32 134.1 -> 131.2, N256 337.7 -> 332.4, N128_P128 270.8 -> 262.8, N16
