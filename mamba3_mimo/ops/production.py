@@ -116,9 +116,10 @@ GLUON_SCAN_MAX_BLOCK_P = 64
 # longer chunk left) N128_P64_R4_C16 292.5 -> 293.4, N128_P32 228.2 -> 231.8, R8_C8 578.6 -> 577.2.
 SCAN_OUTPUTS_END_SPAN = 2
 SCAN_OUTPUTS_END_SPAN_SHAPES = ((64, 128),)
-# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, sections 58, 60),
-# where the rule below takes it.
-SCAN_OUTPUTS_TOKEN_WEIGHTS = True
+# The fused pass's intra-chunk weights once a (row, column token) (``scan_outputs_token_weights``, sections 58,
+# 60): timed to win where the rule below takes it, GPU-tested at the dispatcher's forms (test_gluon_scan_outputs.py);
+# off until the official-grid tests run with it (PART=official SCAN_TW=True bash benchmarks/token_weights_gpu.sh).
+SCAN_OUTPUTS_TOKEN_WEIGHTS = False
 # The same view in chunk_scan (``out_token_weights``, section 59), taken without Z only (the rule below).
 OUT_TOKEN_WEIGHTS = True
 # (token, rank) rows a span of chunks should fill in the output stage and the end-state scan.
