@@ -231,6 +231,22 @@ def test_dispatcher_swept_knobs(case, has_z, half_tables):
                                                                   (plain.out_span_chunks, plain.out_num_warps))
 
 
+@pytest.mark.parametrize("has_z", [True, False])
+def test_fused_token_weights_rule_with_the_flag_on(monkeypatch, has_z):
+    """With SCAN_OUTPUTS_TOKEN_WEIGHTS on (off until the official-grid tests run with it), the fused pass takes its
+    token weights wherever it runs but at N128_P64_R4_C16 without Z, where they lost (section 60)."""
+    monkeypatch.setattr(production, "SCAN_OUTPUTS_TOKEN_WEIGHTS", True)
+    taken = set()
+    for case in OFFICIAL_CASES:
+        config = choose_config(B=4, H=16, S=2048, num_sms=132, has_z=has_z, **parse_case(case))
+        assert not config.scan_outputs_token_weights or config.scan_outputs
+        if config.scan_outputs_token_weights:
+            taken.add(case)
+    fused = {"N64_P64_R4_C16", "N128_P32_R4_C16", "N128_P64_R8_C8", "N128_P64_R2_C32"}
+    want = fused | {"N128_P64_R4_C16", "N64_P128_R4_C16"} if has_z else fused
+    assert taken == want
+
+
 @pytest.mark.parametrize("N,P,R,C,state_span", [(16, 64, 4, 8, 2), (32, 64, 4, 16, 1), (256, 64, 4, 8, 1),
                                                 (128, 128, 4, 8, 1), (64, 64, 2, 8, 2)])
 def test_dispatcher_state_spans(N, P, R, C, state_span):
