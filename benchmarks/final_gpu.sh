@@ -14,15 +14,8 @@
 # "grids unit", "sanitize bench noz" (the timeouts below fit each in 600 s).
 # Each test part keeps its whole output in $OUT/<part>_full.log: the tails cut the failures' tables.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
-status=0
+source "$(dirname "$0")/gpu_preamble.sh"
 PARTS="${PARTS:-tests grids unit sanitize bench noz}"
-want() { [[ " $PARTS " == *" $1 "* ]]; }
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
-  echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
 # The tests run every call's wrappers and check its launches against its launch plan (ops/launch.py); the
 # replay itself runs in tests/test_launch.py, the sanitizer's driver and the benchmark.
 export MAMBA3_MIMO_CHECK_PLAN=1

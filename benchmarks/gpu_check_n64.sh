@@ -4,12 +4,7 @@
 # the two N = 64 shapes, then the official benchmark (Z on, production).  ~300-450 s.
 # usage: MAMBA3_COMMIT=<sha> bash benchmarks/gpu_check_n64.sh   (results under $OUT, or ./gpu_out)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
-  echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_preamble.sh"
 MAMBA3_MIMO_CHECK_PLAN=1 timeout 150 python3 -m pytest -q -p no:warnings -rf tests/test_gluon_state_scan.py 2>&1 \
   | tail -n 8 | tee "$OUT/tests.log"
 MAMBA3_MIMO_CHECK_PLAN=1 MAMBA3_MIMO_FULL_GRID=1 timeout 100 python3 -m pytest -q -p no:warnings -rf tests/test_kernels.py \

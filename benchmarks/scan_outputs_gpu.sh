@@ -5,16 +5,9 @@
 # usage: MAMBA3_COMMIT=<sha> [PARTS="tests sweep"] [CASES="..."] bash benchmarks/scan_outputs_gpu.sh
 #        (results under $OUT, or ./gpu_out)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
-status=0
+source "$(dirname "$0")/gpu_preamble.sh"
 PARTS="${PARTS:-tests sweep}"
 CASES="${CASES:-N128_P64_R4_C16 N128_P32_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32}"
-want() { [[ " $PARTS " == *" $1 "* ]]; }
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
-  echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
 want tests && { MAMBA3_MIMO_CHECK_PLAN=1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf \
   tests/test_gluon_scan_outputs.py 2>&1 | tee "$OUT/scan_outputs_tests_full.log" | tail -n 12 || status=1; }
 # shellcheck disable=SC2086  # CASES is a list

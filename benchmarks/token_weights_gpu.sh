@@ -12,14 +12,8 @@
 # of the production path and the official benchmark (production, Z on and off) into $OUT.  Logs and sweeps are
 # packed into $OUT/aux.tar (the device returns few files).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
-status=0
+source "$(dirname "$0")/gpu_preamble.sh"
 verdict=""
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
-  echo "commit ${MAMBA3_COMMIT:-unknown} $(date -u +%FT%TZ)"; } | tee "$OUT/gpu.txt"
 FUSED="N128_P64_R4_C16 N64_P64_R4_C16 N128_P32_R4_C16 N64_P128_R4_C16 N128_P64_R8_C8 N128_P64_R2_C32"
 CHUNK_SCAN="N16_P64_R4_C8 N32_P64_R4_C16 N256_P64_R4_C8 N128_P128_R4_C8"
 fused_sweeps() {
